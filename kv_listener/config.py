@@ -1,0 +1,630 @@
+"""Typed, frozen configuration of the listener, loaded from YAML (SPEC section 9).
+
+Owns: the key names and their defaults (written once, in the dataclasses below), and validation.
+Every error names its YAML path (`sources[1].zmq_endpoint: ...`) and all errors of a file are
+reported together in one `ConfigError`. Warnings are things that work but are probably not
+what the operator meant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import yaml
+
+from kv_listener.core.model import Engine
+
+BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+# Key names that would hold a secret inline. They are refused with a pointer to the file/env form
+# (a credential in a config file ends up in backups, tickets and `ps` of config-management tools).
+_INLINE_SECRET_KEYS = frozenset(
+    {"credential", "token", "bearer_token", "secret", "password", "api_key", "key", "client_key"}
+)
+
+
+class ConfigError(Exception):
+    """Invalid configuration. `errors` holds one message per problem, each prefixed by its path."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_chain_tokens: int = 16384
+    max_tracked_blocks: int = 100000
+    max_retained_tokens: int = 16777216
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    level: str = "info"
+    format: str = "json"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSaltConfig:
+    secret_file: str | None = None
+    secret_env: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.secret_file is not None or self.secret_env is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    initial_s: float = 1.0
+    max_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class EventBusConfig:
+    url: str
+    client_id: str = "kv-listener-a"
+    ca_file: str | None = None
+    tls_server_name: str | None = None
+    credential_file: str | None = None
+    credential_env: str | None = None
+    client_cert_file: str | None = None
+    client_key_file: str | None = None
+    reconnect_backoff: Backoff = field(default_factory=Backoff)
+    connect_timeout_s: float = 5.0
+    drain_deadline_s: float = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class SourceConfig:
+    backend_name: str
+    engine: Engine
+    model: str
+    zmq_endpoint: str | None = None
+    zmq_mode: str = "bind"
+    zmq_topic: str = ""
+    replay_endpoint: str | None = None
+    detokenize_endpoint: str | None = None
+    tokenizer: str | None = None
+    trtllm_endpoint: str | None = None
+    poll_interval_s: float = 0.1
+    allowed_publishers: tuple[str, ...] = ("127.0.0.1",)
+    chat_template: str | None = None
+    limits: Limits = field(default_factory=Limits)
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerConfig:
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 7817
+    log: LogConfig = field(default_factory=LogConfig)
+    limits: Limits = field(default_factory=Limits)
+    max_prefix_length: int = 1024
+    history_size: int = 100000
+    max_lag: int = 10000
+    update_interval_s: float = 0.25
+    max_sse_clients: int = 256
+    cache_salt: CacheSaltConfig = field(default_factory=CacheSaltConfig)
+    event_bus: EventBusConfig | None = None
+    sources: tuple[SourceConfig, ...] = ()
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    def source(self, backend_name: str) -> SourceConfig | None:
+        for s in self.sources:
+            if s.backend_name == backend_name:
+                return s
+        return None
+
+
+def parse_duration(text: str) -> float:
+    """`"250ms"`, `"5s"`, `"1m"`, `"1h"` -> seconds. Raises ValueError."""
+    m = _DURATION_RE.match(text)
+    if not m:
+        raise ValueError(f"invalid duration {text!r} (expected e.g. '500ms', '5s', '1m')")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`"127.0.0.1:7817"` or `"[::1]:7817"` -> (host, port). Raises ValueError."""
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+    else:
+        host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"invalid address {text!r} (expected 'host:port')")
+    return host, int(port)
+
+
+T = TypeVar("T")
+
+
+class _Reader:
+    """Walks the YAML tree and collects errors with their paths instead of stopping at the first."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def warn(self, path: str, message: str) -> None:
+        self.warnings.append(f"{path}: {message}")
+
+    def mapping(self, value: Any, path: str, allowed: set[str]) -> dict[str, Any]:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            self.error(path, f"expected a mapping, got {_type_name(value)}")
+            return {}
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            sub = f"{path}.{key}" if path else str(key)
+            if not isinstance(key, str):
+                self.error(sub, "keys must be strings")
+            elif key not in allowed:
+                if key in _INLINE_SECRET_KEYS:
+                    self.error(
+                        sub,
+                        "inline credentials are refused; put the secret in a file or an "
+                        "environment variable (credential_file / credential_env, "
+                        "secret_file / secret_env)",
+                    )
+                else:
+                    self.error(sub, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+            else:
+                out[key] = item
+        return out
+
+    def typed(
+        self, data: dict[str, Any], key: str, path: str, kind: type[T] | tuple[type, ...],
+        default: T, *, nullable: bool = False,
+    ) -> T:
+        if key not in data:
+            return default
+        value = data[key]
+        sub = f"{path}.{key}" if path else key
+        if value is None and nullable:
+            return value  # type: ignore[no-any-return]
+        # bool is an int in Python; a YAML `true` where a number belongs is a mistake.
+        if isinstance(value, bool) and kind is not bool:
+            self.error(sub, f"expected {_kind_name(kind)}, got a boolean")
+            return default
+        if not isinstance(value, kind):
+            self.error(sub, f"expected {_kind_name(kind)}, got {_type_name(value)}")
+            return default
+        return value  # type: ignore[return-value]
+
+    def int_range(
+        self, data: dict[str, Any], key: str, path: str, default: int, lo: int, hi: int
+    ) -> int:
+        value = self.typed(data, key, path, int, default)
+        if not lo <= value <= hi:
+            self.error(f"{path}.{key}" if path else key, f"must be between {lo} and {hi}, got {value}")
+            return default
+        return value
+
+    def duration(
+        self, data: dict[str, Any], key: str, path: str, default: float,
+        lo: float = 0.001, hi: float = 86400.0,
+    ) -> float:
+        sub = f"{path}.{key}" if path else key
+        if key not in data:
+            return default
+        raw = data[key]
+        if not isinstance(raw, str):
+            self.error(sub, f"expected a duration string like '500ms' or '5s', got {_type_name(raw)}")
+            return default
+        try:
+            value = parse_duration(raw)
+        except ValueError as exc:
+            self.error(sub, str(exc))
+            return default
+        if not lo <= value <= hi:
+            self.error(sub, f"must be between {lo:g}s and {hi:g}s, got {raw!r}")
+            return default
+        return value
+
+    def choice(
+        self, data: dict[str, Any], key: str, path: str, default: str, choices: tuple[str, ...]
+    ) -> str:
+        value = self.typed(data, key, path, str, default)
+        if value not in choices:
+            self.error(f"{path}.{key}" if path else key, f"must be one of {', '.join(choices)}, got {value!r}")
+            return default
+        return value
+
+    def existing_file(self, path: str, value: str | None, *, directory: bool = False) -> None:
+        if value is None:
+            return
+        p = Path(value)
+        ok = p.is_dir() if directory else p.is_file()
+        if not ok:
+            self.error(path, f"{'directory' if directory else 'file'} {value!r} does not exist")
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "a mapping", list: "a list", str: "a string", int: "an integer",
+            float: "a number", bool: "a boolean"}.get(type(value), type(value).__name__)
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+             list: "a list", dict: "a mapping"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+def _limits(r: _Reader, raw: Any, path: str, base: Limits) -> Limits:
+    allowed = {f.name for f in dataclasses.fields(Limits)}
+    data = r.mapping(raw, path, allowed)
+    lim = Limits(
+        max_chain_tokens=r.int_range(data, "max_chain_tokens", path, base.max_chain_tokens, 1, 1 << 24),
+        max_tracked_blocks=r.int_range(data, "max_tracked_blocks", path, base.max_tracked_blocks, 1, 1 << 30),
+        max_retained_tokens=r.int_range(data, "max_retained_tokens", path, base.max_retained_tokens, 0, 1 << 32),
+    )
+    return lim
+
+
+def _url(r: _Reader, path: str, value: str | None, schemes: tuple[str, ...]) -> str | None:
+    if value is None:
+        return None
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as exc:
+        r.error(path, f"invalid URL {value!r}: {exc}")
+        return None
+    if parts.scheme not in schemes:
+        r.error(path, f"URL scheme must be {' or '.join(schemes)}, got {value!r}")
+        return None
+    if not parts.hostname:
+        r.error(path, f"URL {value!r} has no host")
+        return None
+    if parts.username is not None or parts.password is not None:
+        r.error(path, "inline credentials in URLs are refused")
+        return None
+    del port
+    return value
+
+
+def _zmq_endpoint(r: _Reader, path: str, value: str | None) -> str | None:
+    if value is None:
+        return None
+    m = re.match(r"^(tcp|ipc|inproc)://(.+)$", value)
+    if not m:
+        r.error(path, f"invalid ZMQ endpoint {value!r} (expected tcp://host:port, ipc://path or inproc://name)")
+        return None
+    if m.group(1) == "tcp":
+        host, sep, port = m.group(2).rpartition(":")
+        if not sep or not host or not (port.isdigit() or port == "*"):
+            r.error(path, f"invalid ZMQ endpoint {value!r} (tcp needs host:port)")
+            return None
+    return value
+
+
+def _publisher(r: _Reader, path: str, value: Any) -> str | None:
+    if not isinstance(value, str):
+        r.error(path, f"expected a string, got {_type_name(value)}")
+        return None
+    try:
+        ipaddress.ip_network(value, strict=False)
+        return value
+    except ValueError:
+        pass
+    if _HOSTNAME_RE.match(value):
+        return value
+    r.error(path, f"{value!r} is neither an IP address, a network (CIDR) nor a host name")
+    return None
+
+
+def _source(r: _Reader, raw: Any, path: str, top_limits: Limits) -> SourceConfig | None:
+    allowed = {
+        "backend_name", "engine", "model", "zmq_endpoint", "zmq_mode", "zmq_topic",
+        "replay_endpoint", "detokenize_endpoint", "tokenizer", "trtllm_endpoint",
+        "poll_interval", "allowed_publishers", "chat_template", "limits",
+    }
+    if not isinstance(raw, Mapping):
+        r.error(path, f"expected a mapping, got {_type_name(raw)}")
+        return None
+    data = r.mapping(raw, path, allowed)
+    n_errors = len(r.errors)
+
+    name = r.typed(data, "backend_name", path, str, "")
+    if "backend_name" not in data:
+        r.error(f"{path}.backend_name", "is required")
+    elif not BACKEND_NAME_RE.match(name):
+        r.error(f"{path}.backend_name", f"must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
+
+    engine_name = r.typed(data, "engine", path, str, "")
+    engine: Engine | None = None
+    if "engine" not in data:
+        r.error(f"{path}.engine", "is required (vllm, sglang or trtllm)")
+    else:
+        try:
+            engine = Engine(engine_name)
+        except ValueError:
+            r.error(f"{path}.engine", f"must be one of vllm, sglang, trtllm, got {engine_name!r}")
+
+    model = r.typed(data, "model", path, str, "")
+    if "model" not in data:
+        r.error(f"{path}.model", "is required (the router-facing model name)")
+    elif not model:
+        r.error(f"{path}.model", "must not be empty")
+
+    zmq_endpoint = _zmq_endpoint(
+        r, f"{path}.zmq_endpoint", r.typed(data, "zmq_endpoint", path, str, None, nullable=True)
+    )
+    replay_endpoint = _zmq_endpoint(
+        r, f"{path}.replay_endpoint", r.typed(data, "replay_endpoint", path, str, None, nullable=True)
+    )
+    zmq_mode = r.choice(data, "zmq_mode", path, "bind", ("bind", "connect"))
+    zmq_topic = r.typed(data, "zmq_topic", path, str, "")
+    detok = _url(r, f"{path}.detokenize_endpoint",
+                 r.typed(data, "detokenize_endpoint", path, str, None, nullable=True), ("http", "https"))
+    trtllm = _url(r, f"{path}.trtllm_endpoint",
+                  r.typed(data, "trtllm_endpoint", path, str, None, nullable=True), ("http", "https"))
+    tokenizer = r.typed(data, "tokenizer", path, str, None, nullable=True)
+    r.existing_file(f"{path}.tokenizer", tokenizer, directory=True)
+    chat_template = r.typed(data, "chat_template", path, str, None, nullable=True)
+    r.existing_file(f"{path}.chat_template", chat_template)
+    poll = r.duration(data, "poll_interval", path, 0.1, lo=0.01, hi=60.0)
+
+    publishers: list[str] = []
+    raw_pubs = data.get("allowed_publishers", ["127.0.0.1"])
+    if not isinstance(raw_pubs, list):
+        r.error(f"{path}.allowed_publishers", f"expected a list, got {_type_name(raw_pubs)}")
+    else:
+        for i, item in enumerate(raw_pubs):
+            pub = _publisher(r, f"{path}.allowed_publishers[{i}]", item)
+            if pub is not None:
+                publishers.append(pub)
+        if not raw_pubs:
+            r.error(f"{path}.allowed_publishers", "must not be empty (no engine could publish)")
+
+    limits = top_limits if data.get("limits") is None else _limits(r, data["limits"], f"{path}.limits", top_limits)
+
+    if engine in (Engine.VLLM, Engine.SGLANG):
+        if zmq_endpoint is None and "zmq_endpoint" not in data:
+            r.error(f"{path}.zmq_endpoint", f"is required for engine {engine.value}")
+        if "trtllm_endpoint" in data and data["trtllm_endpoint"] is not None:
+            r.error(f"{path}.trtllm_endpoint", f"is only for engine trtllm, not {engine.value}")
+        if detok is None and tokenizer is None:
+            r.warn(path, "neither detokenize_endpoint nor tokenizer is set: only salted chains "
+                         "can be attributed")
+    elif engine is Engine.TRTLLM:
+        if trtllm is None and "trtllm_endpoint" not in data:
+            r.error(f"{path}.trtllm_endpoint", "is required for engine trtllm")
+        for key in ("zmq_endpoint", "replay_endpoint"):
+            if data.get(key) is not None:
+                r.error(f"{path}.{key}", "is only for engines vllm and sglang, not trtllm")
+        if detok is not None:
+            r.error(f"{path}.detokenize_endpoint",
+                    "trtllm-serve has no /detokenize; use a local tokenizer or cache salts")
+        if trtllm is not None and publishers:
+            host = urlsplit(trtllm).hostname or ""
+            if not host_allowed(host, publishers):
+                r.error(f"{path}.trtllm_endpoint",
+                        f"host {host!r} is not in allowed_publishers")
+    if len(r.errors) != n_errors or engine is None:
+        return None
+    return SourceConfig(
+        backend_name=name, engine=engine, model=model, zmq_endpoint=zmq_endpoint,
+        zmq_mode=zmq_mode, zmq_topic=zmq_topic, replay_endpoint=replay_endpoint,
+        detokenize_endpoint=detok, tokenizer=tokenizer, trtllm_endpoint=trtllm,
+        poll_interval_s=poll, allowed_publishers=tuple(publishers),
+        chat_template=chat_template, limits=limits,
+    )
+
+
+def host_allowed(host: str, publishers: tuple[str, ...] | list[str]) -> bool:
+    """Is `host` (an IP or a name, as written in a URL) covered by `allowed_publishers`?"""
+    try:
+        addr = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host.lower() in (p.lower() for p in publishers)
+    for p in publishers:
+        try:
+            if addr in ipaddress.ip_network(p, strict=False):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _cache_salt(r: _Reader, raw: Any) -> CacheSaltConfig:
+    data = r.mapping(raw, "cache_salt", {"secret_file", "secret_env"})
+    secret_file = r.typed(data, "secret_file", "cache_salt", str, None, nullable=True)
+    secret_env = r.typed(data, "secret_env", "cache_salt", str, None, nullable=True)
+    if secret_file is not None and secret_env is not None:
+        r.error("cache_salt", "set secret_file or secret_env, not both")
+    r.existing_file("cache_salt.secret_file", secret_file)
+    if secret_env is not None and secret_env not in os.environ:
+        r.warn("cache_salt.secret_env", f"environment variable {secret_env!r} is not set here")
+    return CacheSaltConfig(secret_file=secret_file, secret_env=secret_env)
+
+
+def _event_bus(r: _Reader, raw: Any) -> EventBusConfig | None:
+    if raw is None:
+        return None
+    p = "event_bus"
+    allowed = {f.name for f in dataclasses.fields(EventBusConfig)} - {
+        "connect_timeout_s", "drain_deadline_s"} | {"connect_timeout", "drain_deadline"}
+    data = r.mapping(raw, p, allowed)
+    n_errors = len(r.errors)
+    url = r.typed(data, "url", p, str, "")
+    if "url" not in data:
+        r.error(f"{p}.url", "is required")
+    else:
+        _url(r, f"{p}.url", url, ("https",))
+    client_id = r.typed(data, "client_id", p, str, "kv-listener-a")
+    if not BACKEND_NAME_RE.match(client_id):
+        r.error(f"{p}.client_id", f"must match [A-Za-z0-9_-]{{1,64}}, got {client_id!r}")
+    opt: dict[str, str | None] = {}
+    for key in ("ca_file", "tls_server_name", "credential_file", "credential_env",
+                "client_cert_file", "client_key_file"):
+        opt[key] = r.typed(data, key, p, str, None, nullable=True)
+    for key in ("ca_file", "credential_file", "client_cert_file", "client_key_file"):
+        r.existing_file(f"{p}.{key}", opt[key])
+    if opt["credential_file"] is not None and opt["credential_env"] is not None:
+        r.error(p, "set credential_file or credential_env, not both")
+    if (opt["client_cert_file"] is None) != (opt["client_key_file"] is None):
+        r.error(p, "client_cert_file and client_key_file go together")
+    if opt["credential_file"] is None and opt["credential_env"] is None and opt["client_cert_file"] is None:
+        r.error(p, "no credential: set credential_file, credential_env or client_cert_file/client_key_file")
+    if opt["credential_env"] is not None and opt["credential_env"] not in os.environ:
+        r.warn(f"{p}.credential_env", f"environment variable {opt['credential_env']!r} is not set here")
+    bo = r.mapping(data.get("reconnect_backoff"), f"{p}.reconnect_backoff", {"initial", "max"})
+    backoff = Backoff(
+        initial_s=r.duration(bo, "initial", f"{p}.reconnect_backoff", 1.0),
+        max_s=r.duration(bo, "max", f"{p}.reconnect_backoff", 60.0),
+    )
+    if backoff.max_s < backoff.initial_s:
+        r.error(f"{p}.reconnect_backoff", "max must not be below initial")
+    connect_timeout = r.duration(data, "connect_timeout", p, 5.0, hi=600.0)
+    drain_deadline = r.duration(data, "drain_deadline", p, 5.0, hi=600.0)
+    if len(r.errors) != n_errors:
+        return None
+    return EventBusConfig(
+        url=url, client_id=client_id, ca_file=opt["ca_file"],
+        tls_server_name=opt["tls_server_name"], credential_file=opt["credential_file"],
+        credential_env=opt["credential_env"], client_cert_file=opt["client_cert_file"],
+        client_key_file=opt["client_key_file"], reconnect_backoff=backoff,
+        connect_timeout_s=connect_timeout, drain_deadline_s=drain_deadline,
+    )
+
+
+LISTENER_TOP_KEYS = frozenset({
+    "listen", "log", "limits", "max_prefix_length", "history_size", "max_lag",
+    "update_interval", "max_sse_clients", "cache_salt", "event_bus", "sources",
+})
+
+
+def parse_config(raw: Any) -> ListenerConfig:
+    """YAML tree -> `ListenerConfig`. Raises `ConfigError` listing every problem."""
+    r = _Reader()
+    data = r.mapping(raw, "", set(LISTENER_TOP_KEYS))
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError(r.errors or ["<root>: expected a mapping"])
+
+    host, port = "127.0.0.1", 7817
+    listen = r.typed(data, "listen", "", str, "127.0.0.1:7817")
+    try:
+        host, port = parse_listen(listen)
+    except ValueError as exc:
+        r.error("listen", str(exc))
+
+    log_data = r.mapping(data.get("log"), "log", {"level", "format"})
+    log = LogConfig(
+        level=r.choice(log_data, "level", "log", "info", ("debug", "info", "warning", "error")),
+        format=r.choice(log_data, "format", "log", "json", ("json", "console")),
+    )
+    limits = _limits(r, data.get("limits"), "limits", Limits())
+    max_prefix_length = r.int_range(data, "max_prefix_length", "", 1024, 16, 1 << 20)
+    history_size = r.int_range(data, "history_size", "", 100000, 1, 100_000_000)
+    max_lag = r.int_range(data, "max_lag", "", 10000, 1, 100_000_000)
+    update_interval = r.duration(data, "update_interval", "", 0.25, lo=0.0, hi=3600.0)
+    max_sse_clients = r.int_range(data, "max_sse_clients", "", 256, 1, 1_000_000)
+    cache_salt = _cache_salt(r, data.get("cache_salt"))
+    event_bus = _event_bus(r, data.get("event_bus"))
+
+    sources: list[SourceConfig] = []
+    raw_sources = data.get("sources", [])
+    if raw_sources is None:
+        raw_sources = []
+    if not isinstance(raw_sources, list):
+        r.error("sources", f"expected a list, got {_type_name(raw_sources)}")
+        raw_sources = []
+    seen: dict[str, int] = {}
+    endpoints: dict[str, int] = {}
+    for i, item in enumerate(raw_sources):
+        src = _source(r, item, f"sources[{i}]", limits)
+        if src is None:
+            continue
+        if src.backend_name in seen:
+            r.error(f"sources[{i}].backend_name",
+                    f"duplicate {src.backend_name!r} (also sources[{seen[src.backend_name]}])")
+            continue
+        seen[src.backend_name] = i
+        if src.zmq_endpoint is not None and src.zmq_mode == "bind":
+            if src.zmq_endpoint in endpoints:
+                r.error(f"sources[{i}].zmq_endpoint",
+                        f"{src.zmq_endpoint!r} is already bound by sources[{endpoints[src.zmq_endpoint]}]")
+            endpoints[src.zmq_endpoint] = i
+        sources.append(src)
+    if not raw_sources:
+        r.warn("sources", "no sources configured: the listener will serve no backend")
+    if max_lag > history_size:
+        r.warn("max_lag", "is larger than history_size: a lagging consumer will get a resync "
+                          "rather than a buffer_overflow")
+    if event_bus is not None and not sources:
+        r.warn("event_bus", "push mode is configured but there is no source to announce")
+
+    if r.errors:
+        raise ConfigError(r.errors)
+    return ListenerConfig(
+        listen_host=host, listen_port=port, log=log, limits=limits,
+        max_prefix_length=max_prefix_length, history_size=history_size, max_lag=max_lag,
+        update_interval_s=update_interval, max_sse_clients=max_sse_clients,
+        cache_salt=cache_salt, event_bus=event_bus, sources=tuple(sources),
+        warnings=tuple(r.warnings),
+    )
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Read a YAML file; raises ConfigError with a one-line reason (no traceback material)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: no such file"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{path}: is a directory"]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path}: cannot read: {exc}"]) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError([f"{path}: invalid YAML{where}: {problem}"]) from None
+
+
+def load_config(path: str | Path) -> ListenerConfig:
+    return parse_config(read_yaml(path))
+
+
+def read_secret(file: str | None, env: str | None) -> bytes | None:
+    """Secret bytes from a file or an environment variable, trailing whitespace stripped
+    (SPEC §3, §7). None when neither is set. Raises ConfigError when unreadable or empty."""
+    if file is not None:
+        try:
+            value = Path(file).read_bytes().rstrip()
+        except OSError as exc:
+            raise ConfigError([f"{file}: cannot read secret: {exc.strerror}"]) from None
+        where = file
+    elif env is not None:
+        if env not in os.environ:
+            raise ConfigError([f"environment variable {env!r} is not set"])
+        value = os.environ[env].encode("utf-8").rstrip()
+        where = f"${env}"
+    else:
+        return None
+    if not value:
+        raise ConfigError([f"{where}: secret is empty"])
+    return value

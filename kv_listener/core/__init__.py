@@ -1,0 +1,1 @@
+"""Pure core: decoding, sequencing, tracking, prefix keys, event log. No I/O, no clocks."""

@@ -1,0 +1,34 @@
+"""Plain per-source counters: the one source of truth behind `/stats` and `/metrics`.
+
+Edges (sources, resolver, SSE server) bump these ints; `kv_listener.metrics` reads them at scrape
+time, so nothing is counted twice and the hot path costs one attribute increment. Dict keys of
+the `Counter`s are reasons from fixed Enums (metric label values), never free text.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SourceStats:
+    engine: str
+    events_received: int = 0  # events seen on the wire (before decoding)
+    events_decoded: int = 0  # events decoded into the model
+    batches_received: int = 0
+    events_dropped: Counter[str] = field(default_factory=Counter)  # reason -> n
+    gaps: int = 0
+    replays: int = 0  # replays that covered a gap
+    replay_failures: int = 0
+    clears: Counter[str] = field(default_factory=Counter)  # ClearReason -> n
+    refused_publishers: int = 0
+    poll_errors: Counter[str] = field(default_factory=Counter)  # trtllm: reason -> n
+    last_event_at: float | None = None  # wall clock of the last decoded batch
+    ready: bool = False  # socket bound/connected, or last poll ok
+    last_ok_at: float | None = None  # trtllm: monotonic time of the last successful poll
+    detokenize_calls: int = 0
+    detokenize_errors: Counter[str] = field(default_factory=Counter)
+    salt_rejected: int = 0
+    source_restarts: int = 0
+    queue_depth: int = 0
