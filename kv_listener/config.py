@@ -189,15 +189,21 @@ class _Reader:
         return out
 
     def typed(
-        self, data: dict[str, Any], key: str, path: str, kind: type[T] | tuple[type, ...],
-        default: T, *, nullable: bool = False,
+        self,
+        data: dict[str, Any],
+        key: str,
+        path: str,
+        kind: type[T] | tuple[type, ...],
+        default: T,
+        *,
+        nullable: bool = False,
     ) -> T:
         if key not in data:
             return default
         value = data[key]
         sub = f"{path}.{key}" if path else key
         if value is None and nullable:
-            return value  # type: ignore[no-any-return]
+            return value  # type: ignore[return-value]
         # bool is an int in Python; a YAML `true` where a number belongs is a mistake.
         if isinstance(value, bool) and kind is not bool:
             self.error(sub, f"expected {_kind_name(kind)}, got a boolean")
@@ -207,9 +213,7 @@ class _Reader:
             return default
         return value  # type: ignore[return-value]
 
-    def int_range(
-        self, data: dict[str, Any], key: str, path: str, default: int, lo: int, hi: int
-    ) -> int:
+    def int_range(self, data: dict[str, Any], key: str, path: str, default: int, lo: int, hi: int) -> int:
         value = self.typed(data, key, path, int, default)
         if not lo <= value <= hi:
             self.error(f"{path}.{key}" if path else key, f"must be between {lo} and {hi}, got {value}")
@@ -217,8 +221,13 @@ class _Reader:
         return value
 
     def duration(
-        self, data: dict[str, Any], key: str, path: str, default: float,
-        lo: float = 0.001, hi: float = 86400.0,
+        self,
+        data: dict[str, Any],
+        key: str,
+        path: str,
+        default: float,
+        lo: float = 0.001,
+        hi: float = 86400.0,
     ) -> float:
         sub = f"{path}.{key}" if path else key
         if key not in data:
@@ -242,7 +251,9 @@ class _Reader:
     ) -> str:
         value = self.typed(data, key, path, str, default)
         if value not in choices:
-            self.error(f"{path}.{key}" if path else key, f"must be one of {', '.join(choices)}, got {value!r}")
+            self.error(
+                f"{path}.{key}" if path else key, f"must be one of {', '.join(choices)}, got {value!r}"
+            )
             return default
         return value
 
@@ -258,14 +269,26 @@ class _Reader:
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
-    return {dict: "a mapping", list: "a list", str: "a string", int: "an integer",
-            float: "a number", bool: "a boolean"}.get(type(value), type(value).__name__)
+    return {
+        dict: "a mapping",
+        list: "a list",
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+    }.get(type(value), type(value).__name__)
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
-    names = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-             list: "a list", dict: "a mapping"}
+    names = {
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "a boolean",
+        list: "a list",
+        dict: "a mapping",
+    }
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
@@ -275,7 +298,9 @@ def _limits(r: _Reader, raw: Any, path: str, base: Limits) -> Limits:
     lim = Limits(
         max_chain_tokens=r.int_range(data, "max_chain_tokens", path, base.max_chain_tokens, 1, 1 << 24),
         max_tracked_blocks=r.int_range(data, "max_tracked_blocks", path, base.max_tracked_blocks, 1, 1 << 30),
-        max_retained_tokens=r.int_range(data, "max_retained_tokens", path, base.max_retained_tokens, 0, 1 << 32),
+        max_retained_tokens=r.int_range(
+            data, "max_retained_tokens", path, base.max_retained_tokens, 0, 1 << 32
+        ),
     )
     return lim
 
@@ -307,7 +332,9 @@ def _zmq_endpoint(r: _Reader, path: str, value: str | None) -> str | None:
         return None
     m = re.match(r"^(tcp|ipc|inproc)://(.+)$", value)
     if not m:
-        r.error(path, f"invalid ZMQ endpoint {value!r} (expected tcp://host:port, ipc://path or inproc://name)")
+        r.error(
+            path, f"invalid ZMQ endpoint {value!r} (expected tcp://host:port, ipc://path or inproc://name)"
+        )
         return None
     if m.group(1) == "tcp":
         host, sep, port = m.group(2).rpartition(":")
@@ -332,11 +359,22 @@ def _publisher(r: _Reader, path: str, value: Any) -> str | None:
     return None
 
 
-def _source(r: _Reader, raw: Any, path: str, top_limits: Limits) -> SourceConfig | None:
+def _source(r: _Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bool) -> SourceConfig | None:
     allowed = {
-        "backend_name", "engine", "model", "zmq_endpoint", "zmq_mode", "zmq_topic",
-        "replay_endpoint", "detokenize_endpoint", "tokenizer", "trtllm_endpoint",
-        "poll_interval", "allowed_publishers", "chat_template", "limits",
+        "backend_name",
+        "engine",
+        "model",
+        "zmq_endpoint",
+        "zmq_mode",
+        "zmq_topic",
+        "replay_endpoint",
+        "detokenize_endpoint",
+        "tokenizer",
+        "trtllm_endpoint",
+        "poll_interval",
+        "allowed_publishers",
+        "chat_template",
+        "limits",
     }
     if not isinstance(raw, Mapping):
         r.error(path, f"expected a mapping, got {_type_name(raw)}")
@@ -374,10 +412,18 @@ def _source(r: _Reader, raw: Any, path: str, top_limits: Limits) -> SourceConfig
     )
     zmq_mode = r.choice(data, "zmq_mode", path, "bind", ("bind", "connect"))
     zmq_topic = r.typed(data, "zmq_topic", path, str, "")
-    detok = _url(r, f"{path}.detokenize_endpoint",
-                 r.typed(data, "detokenize_endpoint", path, str, None, nullable=True), ("http", "https"))
-    trtllm = _url(r, f"{path}.trtllm_endpoint",
-                  r.typed(data, "trtllm_endpoint", path, str, None, nullable=True), ("http", "https"))
+    detok = _url(
+        r,
+        f"{path}.detokenize_endpoint",
+        r.typed(data, "detokenize_endpoint", path, str, None, nullable=True),
+        ("http", "https"),
+    )
+    trtllm = _url(
+        r,
+        f"{path}.trtllm_endpoint",
+        r.typed(data, "trtllm_endpoint", path, str, None, nullable=True),
+        ("http", "https"),
+    )
     tokenizer = r.typed(data, "tokenizer", path, str, None, nullable=True)
     r.existing_file(f"{path}.tokenizer", tokenizer, directory=True)
     chat_template = r.typed(data, "chat_template", path, str, None, nullable=True)
@@ -396,7 +442,9 @@ def _source(r: _Reader, raw: Any, path: str, top_limits: Limits) -> SourceConfig
         if not raw_pubs:
             r.error(f"{path}.allowed_publishers", "must not be empty (no engine could publish)")
 
-    limits = top_limits if data.get("limits") is None else _limits(r, data["limits"], f"{path}.limits", top_limits)
+    limits = (
+        top_limits if data.get("limits") is None else _limits(r, data["limits"], f"{path}.limits", top_limits)
+    )
 
     if engine in (Engine.VLLM, Engine.SGLANG):
         if zmq_endpoint is None and "zmq_endpoint" not in data:
@@ -404,8 +452,11 @@ def _source(r: _Reader, raw: Any, path: str, top_limits: Limits) -> SourceConfig
         if "trtllm_endpoint" in data and data["trtllm_endpoint"] is not None:
             r.error(f"{path}.trtllm_endpoint", f"is only for engine trtllm, not {engine.value}")
         if detok is None and tokenizer is None:
-            r.warn(path, "neither detokenize_endpoint nor tokenizer is set: only salted chains "
-                         "can be attributed")
+            r.warn(
+                path,
+                "neither detokenize_endpoint nor tokenizer is set: only salted chains "
+                "can be attributed" + ("" if salt_enabled else ", and cache_salt is not configured either"),
+            )
     elif engine is Engine.TRTLLM:
         if trtllm is None and "trtllm_endpoint" not in data:
             r.error(f"{path}.trtllm_endpoint", "is required for engine trtllm")
@@ -413,21 +464,37 @@ def _source(r: _Reader, raw: Any, path: str, top_limits: Limits) -> SourceConfig
             if data.get(key) is not None:
                 r.error(f"{path}.{key}", "is only for engines vllm and sglang, not trtllm")
         if detok is not None:
-            r.error(f"{path}.detokenize_endpoint",
-                    "trtllm-serve has no /detokenize; use a local tokenizer or cache salts")
+            r.error(
+                f"{path}.detokenize_endpoint",
+                "trtllm-serve has no /detokenize; use a local tokenizer or cache salts",
+            )
+        elif tokenizer is None and not salt_enabled:
+            r.warn(
+                path,
+                "engine trtllm without a local tokenizer and without cache_salt: every "
+                "chain will be discarded",
+            )
         if trtllm is not None and publishers:
             host = urlsplit(trtllm).hostname or ""
             if not host_allowed(host, publishers):
-                r.error(f"{path}.trtllm_endpoint",
-                        f"host {host!r} is not in allowed_publishers")
+                r.error(f"{path}.trtllm_endpoint", f"host {host!r} is not in allowed_publishers")
     if len(r.errors) != n_errors or engine is None:
         return None
     return SourceConfig(
-        backend_name=name, engine=engine, model=model, zmq_endpoint=zmq_endpoint,
-        zmq_mode=zmq_mode, zmq_topic=zmq_topic, replay_endpoint=replay_endpoint,
-        detokenize_endpoint=detok, tokenizer=tokenizer, trtllm_endpoint=trtllm,
-        poll_interval_s=poll, allowed_publishers=tuple(publishers),
-        chat_template=chat_template, limits=limits,
+        backend_name=name,
+        engine=engine,
+        model=model,
+        zmq_endpoint=zmq_endpoint,
+        zmq_mode=zmq_mode,
+        zmq_topic=zmq_topic,
+        replay_endpoint=replay_endpoint,
+        detokenize_endpoint=detok,
+        tokenizer=tokenizer,
+        trtllm_endpoint=trtllm,
+        poll_interval_s=poll,
+        allowed_publishers=tuple(publishers),
+        chat_template=chat_template,
+        limits=limits,
     )
 
 
@@ -463,7 +530,9 @@ def _event_bus(r: _Reader, raw: Any) -> EventBusConfig | None:
         return None
     p = "event_bus"
     allowed = {f.name for f in dataclasses.fields(EventBusConfig)} - {
-        "connect_timeout_s", "drain_deadline_s"} | {"connect_timeout", "drain_deadline"}
+        "connect_timeout_s",
+        "drain_deadline_s",
+    } | {"connect_timeout", "drain_deadline"}
     data = r.mapping(raw, p, allowed)
     n_errors = len(r.errors)
     url = r.typed(data, "url", p, str, "")
@@ -475,8 +544,14 @@ def _event_bus(r: _Reader, raw: Any) -> EventBusConfig | None:
     if not BACKEND_NAME_RE.match(client_id):
         r.error(f"{p}.client_id", f"must match [A-Za-z0-9_-]{{1,64}}, got {client_id!r}")
     opt: dict[str, str | None] = {}
-    for key in ("ca_file", "tls_server_name", "credential_file", "credential_env",
-                "client_cert_file", "client_key_file"):
+    for key in (
+        "ca_file",
+        "tls_server_name",
+        "credential_file",
+        "credential_env",
+        "client_cert_file",
+        "client_key_file",
+    ):
         opt[key] = r.typed(data, key, p, str, None, nullable=True)
     for key in ("ca_file", "credential_file", "client_cert_file", "client_key_file"):
         r.existing_file(f"{p}.{key}", opt[key])
@@ -500,26 +575,43 @@ def _event_bus(r: _Reader, raw: Any) -> EventBusConfig | None:
     if len(r.errors) != n_errors:
         return None
     return EventBusConfig(
-        url=url, client_id=client_id, ca_file=opt["ca_file"],
-        tls_server_name=opt["tls_server_name"], credential_file=opt["credential_file"],
-        credential_env=opt["credential_env"], client_cert_file=opt["client_cert_file"],
-        client_key_file=opt["client_key_file"], reconnect_backoff=backoff,
-        connect_timeout_s=connect_timeout, drain_deadline_s=drain_deadline,
+        url=url,
+        client_id=client_id,
+        ca_file=opt["ca_file"],
+        tls_server_name=opt["tls_server_name"],
+        credential_file=opt["credential_file"],
+        credential_env=opt["credential_env"],
+        client_cert_file=opt["client_cert_file"],
+        client_key_file=opt["client_key_file"],
+        reconnect_backoff=backoff,
+        connect_timeout_s=connect_timeout,
+        drain_deadline_s=drain_deadline,
     )
 
 
-LISTENER_TOP_KEYS = frozenset({
-    "listen", "log", "limits", "max_prefix_length", "history_size", "max_lag",
-    "update_interval", "max_sse_clients", "cache_salt", "event_bus", "sources",
-})
+LISTENER_TOP_KEYS = frozenset(
+    {
+        "listen",
+        "log",
+        "limits",
+        "max_prefix_length",
+        "history_size",
+        "max_lag",
+        "update_interval",
+        "max_sse_clients",
+        "cache_salt",
+        "event_bus",
+        "sources",
+    }
+)
 
 
 def parse_config(raw: Any) -> ListenerConfig:
     """YAML tree -> `ListenerConfig`. Raises `ConfigError` listing every problem."""
     r = _Reader()
-    data = r.mapping(raw, "", set(LISTENER_TOP_KEYS))
     if raw is not None and not isinstance(raw, Mapping):
-        raise ConfigError(r.errors or ["<root>: expected a mapping"])
+        raise ConfigError([f"<root>: expected a mapping, got {_type_name(raw)}"])
+    data = r.mapping(raw, "", set(LISTENER_TOP_KEYS))
 
     host, port = "127.0.0.1", 7817
     listen = r.typed(data, "listen", "", str, "127.0.0.1:7817")
@@ -552,35 +644,49 @@ def parse_config(raw: Any) -> ListenerConfig:
     seen: dict[str, int] = {}
     endpoints: dict[str, int] = {}
     for i, item in enumerate(raw_sources):
-        src = _source(r, item, f"sources[{i}]", limits)
+        src = _source(r, item, f"sources[{i}]", limits, cache_salt.enabled)
         if src is None:
             continue
         if src.backend_name in seen:
-            r.error(f"sources[{i}].backend_name",
-                    f"duplicate {src.backend_name!r} (also sources[{seen[src.backend_name]}])")
+            r.error(
+                f"sources[{i}].backend_name",
+                f"duplicate {src.backend_name!r} (also sources[{seen[src.backend_name]}])",
+            )
             continue
         seen[src.backend_name] = i
         if src.zmq_endpoint is not None and src.zmq_mode == "bind":
             if src.zmq_endpoint in endpoints:
-                r.error(f"sources[{i}].zmq_endpoint",
-                        f"{src.zmq_endpoint!r} is already bound by sources[{endpoints[src.zmq_endpoint]}]")
+                r.error(
+                    f"sources[{i}].zmq_endpoint",
+                    f"{src.zmq_endpoint!r} is already bound by sources[{endpoints[src.zmq_endpoint]}]",
+                )
             endpoints[src.zmq_endpoint] = i
         sources.append(src)
     if not raw_sources:
         r.warn("sources", "no sources configured: the listener will serve no backend")
     if max_lag > history_size:
-        r.warn("max_lag", "is larger than history_size: a lagging consumer will get a resync "
-                          "rather than a buffer_overflow")
+        r.warn(
+            "max_lag",
+            "is larger than history_size: a lagging consumer will get a resync rather than a buffer_overflow",
+        )
     if event_bus is not None and not sources:
         r.warn("event_bus", "push mode is configured but there is no source to announce")
 
     if r.errors:
         raise ConfigError(r.errors)
     return ListenerConfig(
-        listen_host=host, listen_port=port, log=log, limits=limits,
-        max_prefix_length=max_prefix_length, history_size=history_size, max_lag=max_lag,
-        update_interval_s=update_interval, max_sse_clients=max_sse_clients,
-        cache_salt=cache_salt, event_bus=event_bus, sources=tuple(sources),
+        listen_host=host,
+        listen_port=port,
+        log=log,
+        limits=limits,
+        max_prefix_length=max_prefix_length,
+        history_size=history_size,
+        max_lag=max_lag,
+        update_interval_s=update_interval,
+        max_sse_clients=max_sse_clients,
+        cache_salt=cache_salt,
+        event_bus=event_bus,
+        sources=tuple(sources),
         warnings=tuple(r.warnings),
     )
 

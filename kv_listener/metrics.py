@@ -1,0 +1,177 @@
+"""Prometheus metrics of the listener (`continuum_kv_listener_` prefix).
+
+Metrics are read at scrape time from the same plain counters that `/stats` shows
+(`kv_listener.stats.SourceStats`, the tracker's counters, the stream hub's counters), through a
+custom collector: nothing is counted twice and the hot path pays no Prometheus locking.
+
+Label values come from fixed sets only: `backend` from the configured sources, `reason` from the
+drop/clear Enums, `event` from the SSE event names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kv_listener import __version__
+from kv_listener.stats import SourceStats
+
+PREFIX = "continuum_kv_listener_"
+
+
+@dataclass(slots=True)
+class SourceView:
+    """What one source exposes to the collector."""
+
+    backend: str
+    stats: SourceStats
+    tracker: Mapping[str, int] = field(default_factory=dict)  # blocks_tracked, tokens_retained, ...
+
+
+@dataclass(slots=True)
+class StreamView:
+    """What the SSE/push side exposes per backend."""
+
+    backend: str
+    clients: int = 0
+    overflows: int = 0
+    records: Mapping[str, int] = field(default_factory=dict)  # event name -> records written
+
+
+# name, help, SourceStats attribute (counters)
+_SOURCE_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("events_received", "KV events received from the engine (before decoding).", "events_received"),
+    ("events_decoded", "KV events decoded into the normalized model.", "events_decoded"),
+    ("batches_received", "Event batches received from the engine.", "batches_received"),
+    ("sequence_gaps", "Gaps detected in the engine's sequence numbers.", "gaps"),
+    ("replays", "Gaps covered by a replay from the engine.", "replays"),
+    ("replay_failures", "Replays that could not cover a gap.", "replay_failures"),
+    (
+        "refused_publishers",
+        "Connections refused because the peer is not an allowed publisher.",
+        "refused_publishers",
+    ),
+    ("detokenize_calls", "Calls to /detokenize or the local tokenizer.", "detokenize_calls"),
+    ("salt_rejected", "Chains discarded because their cache salt failed verification.", "salt_rejected"),
+    ("source_restarts", "Times a crashed source task was restarted.", "source_restarts"),
+)
+# name, help, SourceStats attribute (Counter[str] by reason)
+_SOURCE_REASON_COUNTERS: tuple[tuple[str, str, str], ...] = (
+    ("events_dropped", "KV events or frames dropped, by reason.", "events_dropped"),
+    ("source_clears", "Times a source's whole state was cleared, by reason.", "clears"),
+    ("poll_errors", "Failed TRT-LLM polls, by reason.", "poll_errors"),
+    ("detokenize_errors", "Failed detokenize calls, by reason.", "detokenize_errors"),
+)
+_TRACKER_GAUGES: tuple[tuple[str, str], ...] = (
+    ("blocks_tracked", "Block records held by the tracker."),
+    ("tokens_retained", "Token IDs retained for detokenization (4 bytes each)."),
+    ("prefixes_live", "Prefixes currently live on the backend."),
+    ("chains_pending", "Chains waiting for more blocks or a detokenize answer."),
+)
+_TRACKER_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("token_count_mismatch", "Events whose token count does not fit their block size."),
+    ("blocks_pruned", "Block records pruned to stay within the configured bounds."),
+)
+
+
+class ListenerCollector(Collector):
+    def __init__(
+        self,
+        sources: Callable[[], Iterable[SourceView]],
+        streams: Callable[[], Iterable[StreamView]] = lambda: (),
+    ) -> None:
+        self._sources = sources
+        self._streams = streams
+
+    def collect(self) -> Iterator[Metric]:
+        views = list(self._sources())
+        info = GaugeMetricFamily(PREFIX + "build_info", "Build information.", labels=["version"])
+        info.add_metric([__version__], 1.0)
+        yield info
+
+        for name, doc, attr in _SOURCE_COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["backend"])
+            for v in views:
+                c.add_metric([v.backend], float(getattr(v.stats, attr)))
+            yield c
+        for name, doc, attr in _SOURCE_REASON_COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["backend", "reason"])
+            for v in views:
+                for reason, n in sorted(getattr(v.stats, attr).items()):
+                    c.add_metric([v.backend, str(reason)], float(n))
+            yield c
+
+        ready = GaugeMetricFamily(
+            PREFIX + "source_ready",
+            "1 when the source is connected (ZMQ) or polled successfully (TRT-LLM).",
+            labels=["backend"],
+        )
+        last = GaugeMetricFamily(
+            PREFIX + "last_event_timestamp_seconds",
+            "Wall-clock time of the last decoded batch.",
+            labels=["backend"],
+        )
+        depth = GaugeMetricFamily(
+            PREFIX + "queue_depth", "Batches waiting between a source and the tracker.", labels=["backend"]
+        )
+        for v in views:
+            ready.add_metric([v.backend], 1.0 if v.stats.ready else 0.0)
+            if v.stats.last_event_at is not None:
+                last.add_metric([v.backend], v.stats.last_event_at)
+            depth.add_metric([v.backend], float(v.stats.queue_depth))
+        yield ready
+        yield last
+        yield depth
+
+        for name, doc in _TRACKER_GAUGES:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["backend"])
+            for v in views:
+                if name in v.tracker:
+                    g.add_metric([v.backend], float(v.tracker[name]))
+            yield g
+        for name, doc in _TRACKER_COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["backend"])
+            for v in views:
+                if name in v.tracker:
+                    c.add_metric([v.backend], float(v.tracker[name]))
+            yield c
+
+        streams = list(self._streams())
+        clients = GaugeMetricFamily(
+            PREFIX + "sse_clients", "Open event streams (SSE and push).", labels=["backend"]
+        )
+        overflow = CounterMetricFamily(
+            PREFIX + "buffer_overflows",
+            "Consumers cut off for lagging more than max_lag records.",
+            labels=["backend"],
+        )
+        records = CounterMetricFamily(
+            PREFIX + "records",
+            "Prefix event records written to the backend's event log, by event.",
+            labels=["backend", "event"],
+        )
+        for s in streams:
+            clients.add_metric([s.backend], float(s.clients))
+            overflow.add_metric([s.backend], float(s.overflows))
+            for event, n in sorted(s.records.items()):
+                records.add_metric([s.backend, event], float(n))
+        yield clients
+        yield overflow
+        yield records
+
+
+def new_registry(collector: Collector | None = None) -> CollectorRegistry:
+    """A registry of our own (not the global one), so several listeners can live in one process
+    (tests, the demo) without clashing."""
+    registry = CollectorRegistry(auto_describe=True)
+    if collector is not None:
+        registry.register(collector)
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,180 @@
+"""The command line as an operator uses it: a real process, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, free_port
+
+CMD = [sys.executable, "-m", "kv_listener"]
+
+
+def run(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 2, proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert lines[0].startswith("continuum-kv-listener: error: ")
+    return lines[0]
+
+
+def test_version() -> None:
+    from kv_listener import __version__
+
+    proc = run("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"continuum-kv-listener {__version__}"
+
+
+def test_help_lists_commands() -> None:
+    proc = run("--help")
+    assert proc.returncode == 0
+    assert "--config" in proc.stdout
+    assert "config" in proc.stdout
+
+
+def test_unknown_subcommand_is_one_line_exit_2() -> None:
+    line = assert_one_line_error(run("frobnicate"))
+    assert "frobnicate" in line
+
+
+def test_unknown_option_is_one_line_exit_2() -> None:
+    assert_one_line_error(run("--frobnicate"))
+
+
+def test_nothing_to_do_is_exit_2() -> None:
+    assert "nothing to do" in assert_one_line_error(run())
+
+
+def test_missing_config_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    line = assert_one_line_error(run("--config", str(tmp_path / "nope.yaml")))
+    assert "no such file" in line
+
+
+def test_validate_missing_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    assert "no such file" in assert_one_line_error(run("config", "validate", str(tmp_path / "x.yaml")))
+
+
+def test_validate_without_action() -> None:
+    assert_one_line_error(run("config"))
+
+
+def test_validate_example_exits_0_with_warnings() -> None:
+    proc = run("config", "validate", str(ROOT / "config.kv-listener.yaml.example"))
+    assert proc.returncode == 0, proc.stderr
+    assert "valid listener configuration (2 sources)" in proc.stdout
+    assert "warning: sources[0]: neither detokenize_endpoint nor tokenizer" in proc.stdout
+
+
+def test_validate_prints_every_error_and_exits_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"listen": "x", "sources": [
+        {"backend_name": "a b", "engine": "vllm", "model": "m", "zmq_endpoint": "tcp://127.0.0.1:1"},
+        {"backend_name": "t", "engine": "trtllm", "model": "m"},
+    ]}))
+    proc = run("config", "validate", str(bad))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert f"{bad}: error: listen: invalid address" in proc.stderr
+    assert f"{bad}: error: sources[0].backend_name: must match" in proc.stderr
+    assert f"{bad}: error: sources[1].trtllm_endpoint: is required for engine trtllm" in proc.stderr
+    assert f"{bad}: 3 error(s)" in proc.stderr
+
+
+def test_validate_rejects_invalid_yaml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sources: [\n")
+    assert "invalid YAML" in assert_one_line_error(run("config", "validate", str(bad)))
+
+
+def test_validate_rejects_a_file_of_neither_kind(tmp_path: Path) -> None:
+    bad = tmp_path / "odd.yaml"
+    bad.write_text("hello: world\n")
+    assert "neither a listener file" in assert_one_line_error(run("config", "validate", str(bad)))
+
+
+def test_run_with_invalid_config_exits_2_listing_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_lag: -3\nsources: []\n")
+    proc = run("--config", str(bad))
+    assert proc.returncode == 2
+    assert "max_lag: must be between" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _start(config: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([*CMD, "--config", str(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+
+
+def _read_event(proc: subprocess.Popen[str], name: str) -> dict[str, object]:
+    """Read JSON log lines from stderr until the named event (blocking read: the process writes it)."""
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        rec = json.loads(line)
+        if rec.get("event") == name:
+            return dict(rec)
+    raise AssertionError(f"process ended before logging {name!r}")
+
+
+def _minimal_config(tmp_path: Path, **extra: object) -> Path:
+    path = tmp_path / "listener.yaml"
+    path.write_text(yaml.safe_dump({"listen": f"127.0.0.1:{free_port()}", "sources": [], **extra}))
+    return path
+
+
+@pytest.mark.timeout(30)
+def test_run_then_sigterm_exits_0(tmp_path: Path) -> None:
+    proc = _start(_minimal_config(tmp_path))
+    try:
+        started = _read_event(proc, "listener_started")
+        assert started["level"] == "info"
+        proc.send_signal(signal.SIGTERM)
+        _read_event(proc, "listener_stopped")
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        for s in (proc.stdout, proc.stderr):
+            assert s is not None
+            s.close()
+
+
+@pytest.mark.timeout(30)
+def test_sighup_with_invalid_file_keeps_running(tmp_path: Path) -> None:
+    config = _minimal_config(tmp_path)
+    proc = _start(config)
+    try:
+        _read_event(proc, "listener_started")
+        good = config.read_text()
+        config.write_text("max_lag: nope\n")
+        proc.send_signal(signal.SIGHUP)
+        failed = _read_event(proc, "config_reload_failed")
+        assert any("max_lag" in e for e in failed["errors"])  # type: ignore[attr-defined]
+        assert proc.poll() is None
+        config.write_text(good)
+        proc.send_signal(signal.SIGHUP)
+        _read_event(proc, "config_reloaded")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        for s in (proc.stdout, proc.stderr):
+            assert s is not None
+            s.close()
