@@ -1,0 +1,323 @@
+"""Per-backend prefix event log: tracker transitions in, numbered SSE records out (SPEC §6).
+
+Owns, for one backend:
+- the turn of `PrefixTransition`s into records (`cache_created`, `cache_offloaded`,
+  `cache_evicted`, `cache_cleared`), with token-count updates coalesced to at most one record per
+  prefix per `update_interval_s` (creations, tier changes, evictions and clears go out at once);
+- record IDs `<epoch>-<seq>` (seq from 1, +1 per record);
+- the live state the emitted records describe (prefix -> token_count, tier), which is what a
+  resync's snapshot shows;
+- the bounded history that serves `Last-Event-ID` resume without gap or duplicate, and the resync
+  rule for everything it cannot serve.
+
+Pure: no clock, no I/O. Callers pass `now` (wall-clock seconds, also used as the records' `ts`).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
+
+
+class RecordEvent(enum.StrEnum):
+    """Event types of numbered records (the SSE `event:` field). Values are metric labels."""
+
+    CACHE_CREATED = "cache_created"
+    CACHE_OFFLOADED = "cache_offloaded"
+    CACHE_EVICTED = "cache_evicted"
+    CACHE_CLEARED = "cache_cleared"
+
+
+class ResyncReason(enum.StrEnum):
+    """Why `since()` answered with a resync instead of a replay. Values are metric labels."""
+
+    NEW_CONSUMER = "new_consumer"  # no Last-Event-ID
+    MALFORMED_ID = "malformed_id"
+    UNKNOWN_EPOCH = "unknown_epoch"  # another listener run (or a re-added backend)
+    TOO_OLD = "too_old"  # older than the history
+    AHEAD = "ahead"  # newer than anything this log produced
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One record of a backend's stream. `id` is None for the unnumbered records of a resync.
+
+    `prefix_hash` is None for `cache_cleared`; `token_count` and `tier` are None for
+    `cache_evicted` and `cache_cleared`.
+    """
+
+    id: str | None
+    event: RecordEvent
+    backend: str
+    prefix_hash: str | None
+    token_count: int | None
+    tier: Tier | None
+    ts: float
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """Answer to `EventLog.since()`: the records to send before live ones.
+
+    `resync` is None for a plain replay (possibly empty: the consumer is up to date), else why a
+    resync (`cache_cleared` + snapshot) was needed.
+    """
+
+    records: tuple[Record, ...]
+    resync: ResyncReason | None
+
+
+@dataclass(slots=True)
+class _Pending:
+    token_count: int
+    tier: Tier
+    due: float
+
+
+def _upsert_event(tier: Tier) -> RecordEvent:
+    return RecordEvent.CACHE_CREATED if tier is Tier.GPU_HOT else RecordEvent.CACHE_OFFLOADED
+
+
+def parse_event_id(event_id: str) -> tuple[str, int] | None:
+    """`"<epoch>-<seq>"` -> (epoch, seq), or None when it is not of that shape."""
+    epoch, sep, seq = event_id.rpartition("-")
+    if not sep or not epoch or not seq.isdigit() or not seq.isascii() or len(seq) > 19:
+        return None
+    return epoch, int(seq)
+
+
+class EventLog:
+    """The numbered record stream of one backend. Not thread-safe (one owner, the event loop)."""
+
+    def __init__(
+        self, backend: str, epoch: str, history_size: int, update_interval_s: float
+    ) -> None:
+        if history_size < 1:
+            raise ValueError("history_size must be at least 1")
+        if update_interval_s < 0:
+            raise ValueError("update_interval_s must not be negative")
+        if not epoch or "-" in epoch:
+            # The ID's seq is what follows the last "-"; an epoch must not contain one so that
+            # parsing never depends on that detail.
+            raise ValueError("epoch must be a non-empty string without '-'")
+        self.backend = backend
+        self.epoch = epoch
+        self.history_size = history_size
+        self.update_interval_s = update_interval_s
+        self._seq = 0
+        self._history: deque[Record] = deque(maxlen=history_size)
+        # prefix -> (token_count, tier, ts of its last record): the state as emitted. The ts is
+        # also what coalescing measures the update interval from.
+        self._live: dict[str, tuple[int, Tier, float]] = {}
+        self._pending: dict[str, _Pending] = {}
+        # (due, tiebreak, prefix) with lazy deletion: an entry is valid while `_pending` still
+        # holds that prefix with that due time.
+        self._due_heap: list[tuple[float, int, str]] = []
+        self._tiebreak = itertools.count()
+
+    # --- reading ---------------------------------------------------------------------------
+
+    @property
+    def last_seq(self) -> int:
+        return self._seq
+
+    @property
+    def last_id(self) -> str:
+        """ID of the newest record (`<epoch>-0` when there is none yet)."""
+        return f"{self.epoch}-{self._seq}"
+
+    @property
+    def history_len(self) -> int:
+        return len(self._history)
+
+    @property
+    def pending_count(self) -> int:
+        return len(self._pending)
+
+    def live(self) -> dict[str, tuple[int, Tier]]:
+        """Copy of the live state as the emitted records describe it: prefix -> (count, tier)."""
+        return {p: (count, tier) for p, (count, tier, _ts) in self._live.items()}
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    def next_flush_at(self) -> float | None:
+        """When the earliest coalesced update falls due (same clock as `now`), None if none."""
+        heap = self._due_heap
+        while heap:
+            due, _, prefix = heap[0]
+            pending = self._pending.get(prefix)
+            if pending is not None and pending.due == due:
+                return due
+            heapq.heappop(heap)
+        return None
+
+    def since(self, last_event_id: str | None, now: float | None = None) -> Replay:
+        """Records a consumer that last saw `last_event_id` needs before the live ones.
+
+        A replay when the history holds every record after that ID; otherwise a resync:
+        `cache_cleared` then one upsert per live prefix, unnumbered except the last one, which
+        carries the newest ID so that the consumer resumes from there. `now` stamps the resync's
+        `cache_cleared` (default: the newest record's ts).
+        """
+        if last_event_id is None:
+            return self._resync(ResyncReason.NEW_CONSUMER, now)
+        parsed = parse_event_id(last_event_id)
+        if parsed is None:
+            return self._resync(ResyncReason.MALFORMED_ID, now)
+        epoch, seq = parsed
+        if epoch != self.epoch:
+            return self._resync(ResyncReason.UNKNOWN_EPOCH, now)
+        if seq > self._seq:
+            return self._resync(ResyncReason.AHEAD, now)
+        first_seq = self._seq - len(self._history) + 1
+        if seq < first_seq - 1:
+            return self._resync(ResyncReason.TOO_OLD, now)
+        start = seq + 1 - first_seq
+        if start >= len(self._history):
+            return Replay((), None)
+        return Replay(tuple(itertools.islice(self._history, start, None)), None)
+
+    # --- writing ---------------------------------------------------------------------------
+
+    def record(self, transitions: Iterable[PrefixTransition], now: float) -> list[Record]:
+        """Apply tracker transitions at time `now`; return the records to send, in order.
+
+        Coalesced updates that fell due by `now` go first (they are older). Raises ValueError,
+        before changing anything, when a transition is malformed.
+        """
+        batch = list(transitions)
+        for t in batch:
+            _validate(t)
+        out = self.flush(now)
+        for t in batch:
+            if t.kind is TransitionKind.CLEARED:
+                self._clear(now, out)
+                continue
+            prefix = t.prefix_hash
+            assert prefix is not None  # checked by _validate
+            if t.kind is TransitionKind.EVICTED:
+                self._evict(prefix, now, out)
+            elif t.kind is TransitionKind.TOKEN_COUNT:
+                self._update_count(prefix, t, now, out)
+            else:  # CREATED, TIER: at once
+                self._upsert(prefix, t.token_count, t.tier or Tier.GPU_HOT, now, out)
+        return out
+
+    def flush(self, now: float) -> list[Record]:
+        """Emit the coalesced updates due by `now`, earliest first."""
+        out: list[Record] = []
+        heap = self._due_heap
+        while heap:
+            due, _, prefix = heap[0]
+            pending = self._pending.get(prefix)
+            if pending is None or pending.due != due:
+                heapq.heappop(heap)
+                continue
+            # A due time more than one interval ahead means the wall clock stepped back since
+            # it was set: send it rather than hold the update for that long.
+            if due > now and due - now <= self.update_interval_s:
+                break
+            heapq.heappop(heap)
+            del self._pending[prefix]
+            self._emit_upsert(prefix, pending.token_count, pending.tier, now, out)
+        return out
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _update_count(
+        self, prefix: str, t: PrefixTransition, now: float, out: list[Record]
+    ) -> None:
+        live = self._live.get(prefix)
+        if live is None or (t.tier is not None and t.tier is not live[1]):
+            # Not what a token-count update means (unknown prefix, or another tier): it changes
+            # presence or tier, which must not wait.
+            self._upsert(prefix, t.token_count, t.tier or Tier.GPU_HOT, now, out)
+            return
+        tier = live[1]
+        pending = self._pending.get(prefix)
+        if t.token_count == live[0]:
+            # Back to what consumers already have: nothing to send.
+            if pending is not None:
+                del self._pending[prefix]
+            return
+        if pending is not None:
+            pending.token_count = t.token_count  # latest value wins, due time unchanged
+            return
+        due = live[2] + self.update_interval_s
+        if due <= now:
+            self._emit_upsert(prefix, t.token_count, tier, now, out)
+            return
+        self._pending[prefix] = _Pending(t.token_count, tier, due)
+        heapq.heappush(self._due_heap, (due, next(self._tiebreak), prefix))
+
+    def _upsert(
+        self, prefix: str, token_count: int, tier: Tier, now: float, out: list[Record]
+    ) -> None:
+        # The new record carries the current state, so an older pending update is superseded.
+        self._pending.pop(prefix, None)
+        live = self._live.get(prefix)
+        if live is not None and live[0] == token_count and live[1] is tier:
+            return
+        self._emit_upsert(prefix, token_count, tier, now, out)
+
+    def _emit_upsert(
+        self, prefix: str, token_count: int, tier: Tier, now: float, out: list[Record]
+    ) -> None:
+        self._live[prefix] = (token_count, tier, now)
+        out.append(self._append(_upsert_event(tier), prefix, token_count, tier, now))
+
+    def _evict(self, prefix: str, now: float, out: list[Record]) -> None:
+        self._pending.pop(prefix, None)
+        if self._live.pop(prefix, None) is None:
+            return  # consumers never heard of it: nothing to take back
+        out.append(self._append(RecordEvent.CACHE_EVICTED, prefix, None, None, now))
+
+    def _clear(self, now: float, out: list[Record]) -> None:
+        self._live.clear()
+        self._pending.clear()
+        self._due_heap.clear()
+        out.append(self._append(RecordEvent.CACHE_CLEARED, None, None, None, now))
+
+    def _append(
+        self, event: RecordEvent, prefix: str | None, token_count: int | None,
+        tier: Tier | None, now: float,
+    ) -> Record:
+        self._seq += 1
+        rec = Record(f"{self.epoch}-{self._seq}", event, self.backend, prefix, token_count, tier,
+                     now)
+        self._history.append(rec)
+        return rec
+
+    def _resync(self, reason: ResyncReason, now: float | None) -> Replay:
+        if now is None:
+            now = self._history[-1].ts if self._history else 0.0
+        records = [Record(None, RecordEvent.CACHE_CLEARED, self.backend, None, None, None, now)]
+        records.extend(
+            Record(None, _upsert_event(tier), self.backend, prefix, count, tier, ts)
+            for prefix, (count, tier, ts) in self._live.items()
+        )
+        last = records[-1]
+        records[-1] = Record(self.last_id, last.event, last.backend, last.prefix_hash,
+                             last.token_count, last.tier, last.ts)
+        return Replay(tuple(records), reason)
+
+
+def _validate(t: PrefixTransition) -> None:
+    if t.kind is TransitionKind.CLEARED:
+        return
+    if t.prefix_hash is None:
+        raise ValueError(f"{t.kind} transition without prefix_hash")
+    if t.kind is TransitionKind.EVICTED:
+        return
+    if t.token_count < 0:
+        raise ValueError(f"{t.kind} transition with negative token_count")
+    if t.kind is TransitionKind.TIER and t.tier is None:
+        raise ValueError("tier transition without tier")
