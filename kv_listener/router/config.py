@@ -1,0 +1,529 @@
+"""Typed, frozen configuration of the standalone companion router (SPEC §8 "Standalone run").
+
+Owns: the router file's key names, defaults and validation. The file holds the seed's
+`kv_cache_index` block, the seed's `dynamo.event_bus` block, Redis settings in the seed's
+`response_cache.redis` shape (used when `kv_cache_index.backend: redis`), `admin.listen` and
+`log`. Validation follows `kv_listener.config`: unknown keys, wrong types and out-of-range
+values are errors naming their YAML path, all reported at once in one `ConfigError`; settings
+that work but probably do not do what the operator meant (the seed's
+`gpu_tier_weight < min_overlap_threshold`, ...) come back as `RouterConfig.warnings`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import ipaddress
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kv_listener.config import (
+    BACKEND_NAME_RE,
+    ConfigError,
+    LogConfig,
+    _Reader,
+    _type_name,
+    _url,
+    parse_listen,
+    read_yaml,
+)
+
+#: The seed's pool threshold (DEFAULT_SCORER_THRESHOLD): a KV-aware pick needs a composite > this.
+POOL_THRESHOLD = 0.3
+#: Tolerance of the "weights sum to 1.0" check (YAML decimals are binary floats).
+WEIGHT_SUM_TOLERANCE = 1e-6
+DEFAULT_KEY_PREFIX = "cr:kvidx:"
+_TOKEN_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+# SCAN MATCH patterns are built from the key prefix (admin clear); glob characters in it would
+# widen the match to other applications' keys.
+_GLOB_CHARS = frozenset("*?[]\\")
+
+
+class IndexBackend(enum.StrEnum):
+    MEMORY = "memory"
+    REDIS = "redis"
+
+
+class Transport(enum.StrEnum):
+    SSE = "sse"  # the consumer connects to the listener's GET /events/{backend}
+    EVENT_BUS = "event_bus"  # the listener pushes into this router's event bus (SPEC §7)
+
+
+class BrokerRole(enum.StrEnum):
+    KV_LISTENER = "kv_listener"
+    BROKER = "broker"
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringConfig:
+    """The six scoring parameters of the seed (`kv_cache_index.scoring`)."""
+
+    overlap_weight: float = 0.6
+    load_weight: float = 0.3
+    health_weight: float = 0.1
+    min_overlap_threshold: float = 0.3
+    gpu_tier_weight: float = 1.0
+    storage_tier_weight: float = 0.6
+
+    def weight_sum_error(self) -> str | None:
+        """None when the three main weights sum to 1.0 (within 1e-6), else the reason."""
+        total = self.overlap_weight + self.load_weight + self.health_weight
+        if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
+            return (f"overlap_weight + load_weight + health_weight must sum to 1.0, "
+                    f"got {total:.6g}")
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class StorageOffloadingConfig:
+    enabled: bool = False
+    treat_eviction_as_offload: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class EventSourceConfig:
+    backend_name: str
+    transport: Transport = Transport.SSE
+    endpoint: str | None = None  # http, https, ws or wss; None with transport event_bus
+    reconnect_interval_ms: int = 1000
+
+    @property
+    def reconnect_interval_s(self) -> float:
+        return self.reconnect_interval_ms / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheIndexConfig:
+    enabled: bool = True
+    backend: IndexBackend = IndexBackend.MEMORY
+    key_prefix: str = DEFAULT_KEY_PREFIX  # Redis key namespace (SPEC §8)
+    max_entries: int = 100000  # (prefix, backend) entries of the in-memory index
+    entry_ttl_seconds: int = 600
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    storage_offloading: StorageOffloadingConfig = field(default_factory=StorageOffloadingConfig)
+    event_sources: tuple[EventSourceConfig, ...] = ()
+
+    def source(self, backend_name: str) -> EventSourceConfig | None:
+        for s in self.event_sources:
+            if s.backend_name == backend_name:
+                return s
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """`response_cache.redis`: the connection the Redis KV index uses."""
+
+    url: str = "redis://127.0.0.1:6379"
+    tls: bool = False  # with a redis:// URL: connect with TLS anyway (rediss:// implies it)
+    ca_file: str | None = None  # CA bundle for TLS; None = the system roots
+    username: str | None = None
+    password_file: str | None = None  # or password_env; never inline
+    password_env: str | None = None
+    pool_size: int = 8
+    connect_timeout_ms: int = 3000
+    command_timeout_ms: int = 1000
+    fallback_to_memory: bool = True
+
+    @property
+    def use_tls(self) -> bool:
+        return self.tls or self.url.startswith("rediss://")
+
+
+@dataclass(frozen=True, slots=True)
+class BrokerConfig:
+    """One credential of the event bus (`dynamo.event_bus.brokers[]`)."""
+
+    id: str
+    role: BrokerRole
+    token_hash: str | None = None  # "sha256:<64 lowercase hex>" of the bearer token
+    backends: tuple[str, ...] = ()
+
+    def token_matches(self, token: str | bytes) -> bool:
+        """Constant-time check of a presented bearer token against `token_hash`."""
+        if self.token_hash is None:
+            return False
+        raw = token.encode("utf-8") if isinstance(token, str) else token
+        digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+        return hmac.compare_digest(digest, self.token_hash)
+
+
+@dataclass(frozen=True, slots=True)
+class BusTlsConfig:
+    cert: str
+    key: str
+    client_ca: str | None = None  # enables mTLS client certificates (DNS SAN == broker id)
+
+
+@dataclass(frozen=True, slots=True)
+class EventBusServerConfig:
+    enabled: bool = False
+    listen_host: str = "0.0.0.0"  # noqa: S104 - the bus is meant for listeners elsewhere; TLS only
+    listen_port: int = 9443
+    tls: BusTlsConfig | None = None
+    brokers: tuple[BrokerConfig, ...] = ()
+
+    def broker(self, broker_id: str) -> BrokerConfig | None:
+        for b in self.brokers:
+            if b.id == broker_id:
+                return b
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 8090
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    kv_cache_index: KvCacheIndexConfig = field(default_factory=KvCacheIndexConfig)
+    event_bus: EventBusServerConfig = field(default_factory=EventBusServerConfig)
+    redis: RedisConfig | None = None
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+
+ROUTER_TOP_KEYS = frozenset({"kv_cache_index", "dynamo", "response_cache", "admin", "log"})
+
+
+def _number(r: _Reader, data: dict[str, Any], key: str, path: str, default: float,
+            lo: float, hi: float) -> float:
+    value = float(r.typed(data, key, path, (int, float), default))
+    if not lo <= value <= hi:
+        r.error(f"{path}.{key}", f"must be between {lo:g} and {hi:g}, got {value:g}")
+        return default
+    return value
+
+
+def _scoring(r: _Reader, raw: Any) -> ScoringConfig:
+    p = "kv_cache_index.scoring"
+    d = ScoringConfig()
+    data = r.mapping(raw, p, set(ScoringConfig.__dataclass_fields__))
+    n_errors = len(r.errors)
+    cfg = ScoringConfig(
+        overlap_weight=_number(r, data, "overlap_weight", p, d.overlap_weight, 0.0, 1.0),
+        load_weight=_number(r, data, "load_weight", p, d.load_weight, 0.0, 1.0),
+        health_weight=_number(r, data, "health_weight", p, d.health_weight, 0.0, 1.0),
+        min_overlap_threshold=_number(r, data, "min_overlap_threshold", p,
+                                      d.min_overlap_threshold, 0.0, 1.0),
+        gpu_tier_weight=_number(r, data, "gpu_tier_weight", p, d.gpu_tier_weight, 0.0, 1.0),
+        storage_tier_weight=_number(r, data, "storage_tier_weight", p,
+                                    d.storage_tier_weight, 0.0, 1.0),
+    )
+    if len(r.errors) == n_errors and (reason := cfg.weight_sum_error()) is not None:
+        r.error(p, reason)
+    return cfg
+
+
+def _event_source(r: _Reader, raw: Any, path: str) -> EventSourceConfig | None:
+    if not isinstance(raw, Mapping):
+        r.error(path, f"expected a mapping, got {_type_name(raw)}")
+        return None
+    data = r.mapping(raw, path, {"backend_name", "endpoint", "transport", "reconnect_interval_ms"})
+    n_errors = len(r.errors)
+    name = r.typed(data, "backend_name", path, str, "")
+    if "backend_name" not in data:
+        r.error(f"{path}.backend_name", "is required")
+    elif not BACKEND_NAME_RE.match(name):
+        r.error(f"{path}.backend_name", f"must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
+    transport = Transport(r.choice(data, "transport", path, "sse", tuple(t.value for t in Transport)))
+    endpoint = r.typed(data, "endpoint", path, str, None, nullable=True)
+    if transport is Transport.SSE:
+        if endpoint is None:
+            r.error(f"{path}.endpoint", "is required (or set transport: event_bus)")
+        else:
+            endpoint = _url(r, f"{path}.endpoint", endpoint, ("http", "https", "ws", "wss"))
+            segments = urlsplit(endpoint).path.rstrip("/").split("/") if endpoint else []
+            if endpoint and name and segments[-2:] != ["events", name]:
+                r.warn(f"{path}.endpoint", f"does not end in /events/{name}: events of another "
+                                           f"backend would be indexed as {name!r}")
+    elif endpoint is not None:
+        r.error(f"{path}.endpoint", "must not be set with transport: event_bus (the listener "
+                                    "connects to this router)")
+    interval = r.int_range(data, "reconnect_interval_ms", path, 1000, 10, 600_000)
+    if len(r.errors) != n_errors:
+        return None
+    return EventSourceConfig(backend_name=name, transport=transport, endpoint=endpoint,
+                             reconnect_interval_ms=interval)
+
+
+def _kv_cache_index(r: _Reader, raw: Any) -> KvCacheIndexConfig:
+    p = "kv_cache_index"
+    allowed = {"enabled", "backend", "key_prefix", "max_entries", "entry_ttl_seconds", "scoring",
+               "storage_offloading", "event_sources"}
+    data = r.mapping(raw, p, allowed)
+    enabled = r.typed(data, "enabled", p, bool, True)
+    backend = IndexBackend(r.choice(data, "backend", p, "memory", tuple(b.value for b in IndexBackend)))
+    key_prefix = r.typed(data, "key_prefix", p, str, DEFAULT_KEY_PREFIX)
+    if not key_prefix:
+        r.error(f"{p}.key_prefix", "must not be empty (clear would delete every key of the database)")
+    elif _GLOB_CHARS & set(key_prefix) or any(c.isspace() for c in key_prefix):
+        r.error(f"{p}.key_prefix", f"must not contain glob characters or spaces, got {key_prefix!r}")
+    max_entries = r.int_range(data, "max_entries", p, 100000, 100, 10_000_000)
+    ttl = r.int_range(data, "entry_ttl_seconds", p, 600, 1, 86400)
+    scoring = _scoring(r, data.get("scoring"))
+    so = r.mapping(data.get("storage_offloading"), f"{p}.storage_offloading",
+                   {"enabled", "treat_eviction_as_offload"})
+    offloading = StorageOffloadingConfig(
+        enabled=r.typed(so, "enabled", f"{p}.storage_offloading", bool, False),
+        treat_eviction_as_offload=r.typed(so, "treat_eviction_as_offload",
+                                          f"{p}.storage_offloading", bool, True),
+    )
+    sources: list[EventSourceConfig] = []
+    raw_sources = data.get("event_sources") or []
+    if not isinstance(raw_sources, list):
+        r.error(f"{p}.event_sources", f"expected a list, got {_type_name(raw_sources)}")
+        raw_sources = []
+    seen: dict[str, int] = {}
+    for i, item in enumerate(raw_sources):
+        src = _event_source(r, item, f"{p}.event_sources[{i}]")
+        if src is None:
+            continue
+        if src.backend_name in seen:
+            r.error(f"{p}.event_sources[{i}].backend_name",
+                    f"duplicate {src.backend_name!r} (also event_sources[{seen[src.backend_name]}])")
+            continue
+        seen[src.backend_name] = i
+        sources.append(src)
+
+    # The seed's warnings: combinations that validate but can never route KV-aware.
+    sp = f"{p}.scoring"
+    if scoring.gpu_tier_weight < scoring.min_overlap_threshold:
+        r.warn(f"{sp}.gpu_tier_weight",
+               f"{scoring.gpu_tier_weight:g} is below min_overlap_threshold "
+               f"{scoring.min_overlap_threshold:g}: no backend can pass the threshold, every "
+               "request falls back to the default strategy")
+    if offloading.enabled and scoring.storage_tier_weight < scoring.min_overlap_threshold:
+        r.warn(f"{sp}.storage_tier_weight",
+               f"{scoring.storage_tier_weight:g} is below min_overlap_threshold "
+               f"{scoring.min_overlap_threshold:g}: backends holding only a storage-warm copy "
+               "are never scored")
+    best = scoring.overlap_weight * scoring.gpu_tier_weight + scoring.load_weight + scoring.health_weight
+    if best <= POOL_THRESHOLD:
+        r.warn(sp, f"the best possible composite score is {best:.3g}, not above the pool "
+                   f"threshold {POOL_THRESHOLD}: the scorer can never pick a backend")
+    if scoring.storage_tier_weight > scoring.gpu_tier_weight:
+        r.warn(f"{sp}.storage_tier_weight", "is above gpu_tier_weight: storage-warm copies "
+                                            "would outrank GPU-resident ones")
+    if enabled and not sources:
+        r.warn(f"{p}.event_sources", "no event source: the index will stay empty")
+    return KvCacheIndexConfig(
+        enabled=enabled, backend=backend, key_prefix=key_prefix, max_entries=max_entries,
+        entry_ttl_seconds=ttl, scoring=scoring, storage_offloading=offloading,
+        event_sources=tuple(sources),
+    )
+
+
+def _broker(r: _Reader, raw: Any, path: str, mtls: bool) -> BrokerConfig | None:
+    if not isinstance(raw, Mapping):
+        r.error(path, f"expected a mapping, got {_type_name(raw)}")
+        return None
+    data = r.mapping(raw, path, {"id", "role", "token_hash", "backends"})
+    n_errors = len(r.errors)
+    broker_id = r.typed(data, "id", path, str, "")
+    if "id" not in data:
+        r.error(f"{path}.id", "is required (the listener's event_bus.client_id)")
+    elif not BACKEND_NAME_RE.match(broker_id):
+        r.error(f"{path}.id", f"must match [A-Za-z0-9_-]{{1,64}}, got {broker_id!r}")
+    role_name = r.typed(data, "role", path, str, "")
+    role: BrokerRole | None = None
+    if "role" not in data:
+        r.error(f"{path}.role", "is required (kv_listener or broker)")
+    else:
+        try:
+            role = BrokerRole(role_name)
+        except ValueError:
+            r.error(f"{path}.role", f"must be one of kv_listener, broker, got {role_name!r}")
+    token_hash = r.typed(data, "token_hash", path, str, None, nullable=True)
+    if token_hash is not None and not _TOKEN_HASH_RE.match(token_hash):
+        r.error(f"{path}.token_hash", "must be 'sha256:' followed by 64 lowercase hex digits "
+                                      "(printf %s \"$TOKEN\" | sha256sum)")
+    if token_hash is None and not mtls:
+        r.error(path, "no credential: set token_hash, or dynamo.event_bus.tls.client_ca for "
+                      "mTLS client certificates")
+    backends: list[str] = []
+    raw_backends = data.get("backends", [])
+    if not isinstance(raw_backends, list):
+        r.error(f"{path}.backends", f"expected a list, got {_type_name(raw_backends)}")
+        raw_backends = []
+    for j, name in enumerate(raw_backends):
+        sub = f"{path}.backends[{j}]"
+        if not isinstance(name, str) or not BACKEND_NAME_RE.match(name):
+            r.error(sub, f"must be a backend name matching [A-Za-z0-9_-]{{1,64}}, got {name!r}")
+        elif name in backends:
+            r.error(sub, f"duplicate {name!r}")
+        else:
+            backends.append(name)
+    if role is BrokerRole.KV_LISTENER and not raw_backends:
+        r.warn(f"{path}.backends", "is empty: this listener may not announce any backend")
+    if len(r.errors) != n_errors or role is None:
+        return None
+    return BrokerConfig(id=broker_id, role=role, token_hash=token_hash, backends=tuple(backends))
+
+
+def _event_bus(r: _Reader, raw: Any) -> EventBusServerConfig:
+    p = "dynamo.event_bus"
+    data = r.mapping(raw, p, {"enabled", "listen", "tls", "brokers"})
+    enabled = r.typed(data, "enabled", p, bool, False)
+    host, port = "0.0.0.0", 9443  # noqa: S104 - see EventBusServerConfig
+    listen = r.typed(data, "listen", p, str, "0.0.0.0:9443")
+    try:
+        host, port = parse_listen(listen)
+    except ValueError as exc:
+        r.error(f"{p}.listen", str(exc))
+    tls: BusTlsConfig | None = None
+    tls_data = r.mapping(data.get("tls"), f"{p}.tls", {"cert", "key", "client_ca"})
+    cert = r.typed(tls_data, "cert", f"{p}.tls", str, None, nullable=True)
+    key = r.typed(tls_data, "key", f"{p}.tls", str, None, nullable=True)
+    client_ca = r.typed(tls_data, "client_ca", f"{p}.tls", str, None, nullable=True)
+    if enabled:
+        # Files are checked only when the bus is on, so a disabled block (the example file)
+        # may keep placeholder paths.
+        for name, value in (("cert", cert), ("key", key)):
+            if value is None:
+                r.error(f"{p}.tls.{name}", "is required when the event bus is enabled (TLS only)")
+            r.existing_file(f"{p}.tls.{name}", value)
+        r.existing_file(f"{p}.tls.client_ca", client_ca)
+    if cert is not None and key is not None:
+        tls = BusTlsConfig(cert=cert, key=key, client_ca=client_ca)
+    brokers: list[BrokerConfig] = []
+    raw_brokers = data.get("brokers") or []
+    if not isinstance(raw_brokers, list):
+        r.error(f"{p}.brokers", f"expected a list, got {_type_name(raw_brokers)}")
+        raw_brokers = []
+    ids: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for i, item in enumerate(raw_brokers):
+        b = _broker(r, item, f"{p}.brokers[{i}]", mtls=client_ca is not None)
+        if b is None:
+            continue
+        if b.id in ids:
+            r.error(f"{p}.brokers[{i}].id", f"duplicate {b.id!r} (also brokers[{ids[b.id]}])")
+            continue
+        if b.token_hash is not None and b.token_hash in hashes:
+            r.error(f"{p}.brokers[{i}].token_hash",
+                    f"same token as brokers[{hashes[b.token_hash]}]: a token must name one broker")
+            continue
+        ids[b.id] = i
+        if b.token_hash is not None:
+            hashes[b.token_hash] = i
+        brokers.append(b)
+    if enabled and not raw_brokers:
+        r.warn(f"{p}.brokers", "is empty: no listener can open a session")
+    return EventBusServerConfig(enabled=enabled, listen_host=host, listen_port=port, tls=tls,
+                                brokers=tuple(brokers))
+
+
+def _redis(r: _Reader, raw: Any) -> RedisConfig:
+    p = "response_cache.redis"
+    d = RedisConfig()
+    allowed = {"url", "tls", "ca_file", "username", "password_file", "password_env", "pool_size",
+               "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory"}
+    data = r.mapping(raw, p, allowed)
+    url = r.typed(data, "url", p, str, d.url)
+    _url(r, f"{p}.url", url, ("redis", "rediss"))
+    ca_file = r.typed(data, "ca_file", p, str, None, nullable=True)
+    r.existing_file(f"{p}.ca_file", ca_file)
+    password_file = r.typed(data, "password_file", p, str, None, nullable=True)
+    password_env = r.typed(data, "password_env", p, str, None, nullable=True)
+    r.existing_file(f"{p}.password_file", password_file)
+    if password_file is not None and password_env is not None:
+        r.error(p, "set password_file or password_env, not both")
+    return RedisConfig(
+        url=url, tls=r.typed(data, "tls", p, bool, False), ca_file=ca_file,
+        username=r.typed(data, "username", p, str, None, nullable=True),
+        password_file=password_file, password_env=password_env,
+        pool_size=r.int_range(data, "pool_size", p, d.pool_size, 1, 1024),
+        connect_timeout_ms=r.int_range(data, "connect_timeout_ms", p, d.connect_timeout_ms, 1, 600_000),
+        command_timeout_ms=r.int_range(data, "command_timeout_ms", p, d.command_timeout_ms, 1, 600_000),
+        fallback_to_memory=r.typed(data, "fallback_to_memory", p, bool, True),
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_router_config(raw: Any) -> RouterConfig:
+    """YAML tree -> `RouterConfig`. Raises `ConfigError` listing every problem."""
+    r = _Reader()
+    if raw is not None and not isinstance(raw, Mapping):
+        raise ConfigError([f"<root>: expected a mapping, got {_type_name(raw)}"])
+    data = r.mapping(raw, "", set(ROUTER_TOP_KEYS))
+    if "kv_cache_index" not in data:
+        r.error("kv_cache_index", "is required (this is what tells a router file from a "
+                                  "listener file)")
+    kv = _kv_cache_index(r, data.get("kv_cache_index"))
+
+    dynamo = r.mapping(data.get("dynamo"), "dynamo", {"event_bus"})
+    bus = _event_bus(r, dynamo.get("event_bus"))
+
+    rc = r.mapping(data.get("response_cache"), "response_cache", {"redis"})
+    redis = _redis(r, rc["redis"]) if rc.get("redis") is not None else None
+
+    admin_data = r.mapping(data.get("admin"), "admin", {"listen"})
+    admin = AdminConfig()
+    listen = r.typed(admin_data, "listen", "admin", str, "127.0.0.1:8090")
+    try:
+        host, port = parse_listen(listen)
+        admin = AdminConfig(listen_host=host, listen_port=port)
+        if not _is_loopback(host):
+            r.warn("admin.listen", "is not a loopback address: the admin endpoints have no "
+                                   "authentication (POST /admin/kv-index/clear empties the index)")
+    except ValueError as exc:
+        r.error("admin.listen", str(exc))
+
+    log_data = r.mapping(data.get("log"), "log", {"level", "format"})
+    log = LogConfig(
+        level=r.choice(log_data, "level", "log", "info", ("debug", "info", "warning", "error")),
+        format=r.choice(log_data, "format", "log", "json", ("json", "console")),
+    )
+
+    # Cross-block rules.
+    if kv.backend is IndexBackend.REDIS and redis is None:
+        r.error("kv_cache_index.backend", "is redis but response_cache.redis is not configured")
+    if kv.backend is IndexBackend.MEMORY and redis is not None:
+        r.warn("response_cache.redis", "is ignored: kv_cache_index.backend is memory")
+    announced = {name for b in bus.brokers if b.role is BrokerRole.KV_LISTENER for name in b.backends}
+    bus_sources = 0
+    for i, src in enumerate(kv.event_sources):
+        if src.transport is not Transport.EVENT_BUS:
+            continue
+        bus_sources += 1
+        if not bus.enabled:
+            r.error(f"kv_cache_index.event_sources[{i}].transport",
+                    "is event_bus but dynamo.event_bus is not enabled")
+        elif src.backend_name not in announced:
+            r.warn(f"kv_cache_index.event_sources[{i}]",
+                   f"no kv_listener broker lists {src.backend_name!r} in its backends: no "
+                   "listener may announce it")
+    if bus.enabled and bus_sources == 0:
+        r.warn("dynamo.event_bus", "is enabled but no event source uses transport: event_bus")
+
+    if r.errors:
+        raise ConfigError(r.errors)
+    return RouterConfig(kv_cache_index=kv, event_bus=bus, redis=redis, admin=admin, log=log,
+                        warnings=tuple(r.warnings))
+
+
+def load_router_config(path: str | Path) -> RouterConfig:
+    return parse_router_config(read_yaml(path))
+
+
+def is_router_file(raw: Any) -> bool:
+    """Does this YAML tree look like a router file (`kv_cache_index`) rather than a listener
+    file (`sources`)? Used by `config validate` to pick the parser."""
+    return isinstance(raw, Mapping) and "kv_cache_index" in raw and "sources" not in raw

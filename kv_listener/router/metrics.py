@@ -1,0 +1,111 @@
+"""Prometheus metrics of the companion router, with the seed's names and labels.
+
+Owns: the metric objects on a caller-given `CollectorRegistry` (tests and embedding routers use
+their own registry, so two routers in one process do not collide) and the allow-lists their label
+values come from. A label value outside its allow-list is folded into `other` (backend) or refused
+(the enum-typed labels), so a hostile stream cannot grow the series count.
+
+- `continuum_kv_index_routing_decisions_total{decision, tier}`: once per selection the scorer ran
+  for (a request with a prefix key); decision `kv_aware` | `fallback`, tier `gpu_hot` |
+  `storage_warm` | `none` (the chosen holder's tier; `none` for fallback).
+- `continuum_kv_index_overlap_score`: histogram of the best composite score of `kv_aware` decisions.
+- `continuum_kv_event_dropped_total{backend, reason}`: prefix events the consumer could not apply.
+- `continuum_kv_consumer_connected{backend}`: 1 while the backend's event stream is connected.
+- `continuum_cache_fallback_active`: 1 while the Redis index runs on its in-memory fallback.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+OTHER_BACKEND = "other"
+
+
+class Decision(enum.StrEnum):
+    KV_AWARE = "kv_aware"
+    FALLBACK = "fallback"
+
+
+class TierLabel(enum.StrEnum):
+    """Tier label of a routing decision: the seed's `gpu_hot`, `storage_warm`, `none`."""
+
+    GPU_HOT = "gpu_hot"
+    STORAGE_WARM = "storage_warm"
+    NONE = "none"
+
+
+class EventDropReason(enum.StrEnum):
+    """Why the consumer dropped one prefix event. Values are the `reason` label."""
+
+    MALFORMED_JSON = "malformed_json"  # data: is not a JSON object
+    UNKNOWN_EVENT = "unknown_event"  # event type not one of the four prefix events
+    INVALID_FIELD = "invalid_field"  # prefix_hash / token_count / tier missing or malformed
+    BACKEND_MISMATCH = "backend_mismatch"  # data.backend names another backend than the stream
+    OVERSIZED = "oversized"  # line or record over 1 MiB: stream closed and resumed
+    INDEX_ERROR = "index_error"  # the index could not apply it (Redis down without fallback)
+
+
+# Composite scores live in [0, 1]; the interesting region is above the 0.3 pool threshold.
+OVERLAP_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry, backends: Iterable[str] = ()) -> None:
+        self.backends = frozenset(backends)
+        self.routing_decisions = Counter(
+            "continuum_kv_index_routing_decisions",
+            "Selections the KV-index scorer ran for, by decision and tier of the chosen holder.",
+            ["decision", "tier"], registry=registry,
+        )
+        self.overlap_score = Histogram(
+            "continuum_kv_index_overlap_score",
+            "Best composite score (overlap + load + health) of kv_aware decisions.",
+            buckets=OVERLAP_BUCKETS, registry=registry,
+        )
+        self.event_dropped = Counter(
+            "continuum_kv_event_dropped",
+            "Prefix events dropped by the router's consumer, by backend and reason.",
+            ["backend", "reason"], registry=registry,
+        )
+        self.consumer_connected = Gauge(
+            "continuum_kv_consumer_connected",
+            "1 while the backend's prefix event stream is connected.",
+            ["backend"], registry=registry,
+        )
+        self.fallback_active = Gauge(
+            "continuum_cache_fallback_active",
+            "1 while the Redis KV index serves from its in-memory fallback.",
+            registry=registry,
+        )
+        # Pre-create the series an alert looks at (`continuum_kv_consumer_connected == 0`
+        # must fire for a consumer that never connected, not be absent).
+        for b in sorted(self.backends):
+            self.consumer_connected.labels(backend=b).set(0)
+        for d in Decision:
+            for t in TierLabel:
+                if d is Decision.FALLBACK and t is not TierLabel.NONE:
+                    continue
+                self.routing_decisions.labels(decision=d.value, tier=t.value)
+        self.fallback_active.set(0)
+
+    def _backend(self, backend: str) -> str:
+        return backend if backend in self.backends else OTHER_BACKEND
+
+    def record_decision(self, decision: Decision, tier: TierLabel, score: float) -> None:
+        self.routing_decisions.labels(decision=Decision(decision).value,
+                                      tier=TierLabel(tier).value).inc()
+        if decision is Decision.KV_AWARE:
+            self.overlap_score.observe(score)
+
+    def event_dropped_inc(self, backend: str, reason: EventDropReason, n: int = 1) -> None:
+        self.event_dropped.labels(backend=self._backend(backend),
+                                  reason=EventDropReason(reason).value).inc(n)
+
+    def set_connected(self, backend: str, connected: bool) -> None:
+        self.consumer_connected.labels(backend=self._backend(backend)).set(1 if connected else 0)
+
+    def set_fallback_active(self, active: bool) -> None:
+        self.fallback_active.set(1 if active else 0)

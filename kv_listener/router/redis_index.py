@@ -1,0 +1,541 @@
+"""`RedisKvIndex`: the KV index in Redis sorted sets, shared by every router using the same Redis.
+
+Owns: the Redis key layout (SPEC §8), its atomic writes, and the in-memory fallback used while
+Redis is unreachable.
+
+Layout (the prefix `cr:kvidx:` is `kv_cache_index.key_prefix`):
+- `cr:kvidx:<prefix_hash>`          ZSET backend -> token_count of GPU-hot holders;
+- `cr:kvidx:warm:<prefix_hash>`     ZSET backend -> token_count of storage-warm holders;
+- `cr:kvidx:backend:<backend>`      SET of the prefix hashes of that backend (for cache_cleared).
+Every write is one MULTI/EXEC pipeline that also sets `EXPIRE entry_ttl_seconds` on the keys it
+adds to. Reads are `ZREVRANGEBYSCORE <key> +inf -inf WITHSCORES` on both ZSETs in one round trip.
+
+Differences from the in-memory index, by design of the layout: the TTL is per prefix key, so a
+write for any backend refreshes it for every holder of that prefix (the listener's explicit
+`cache_evicted` is what removes a holder; the TTL only bounds what a lost event leaves behind);
+`max_entries` does not apply (Redis' own memory policy does). Transitions that need the current
+entry (`cache_evicted` as offload, `cache_offloaded` without a token_count) read it under
+`WATCH` and retry when another router wrote the entry meanwhile. `cleanup_expired` prunes backend
+sets of prefix hashes whose ZSETs have expired.
+
+Fallback (the seed's "automatic fallback"): the first Redis error (connection refused, timeout)
+switches the index to an in-memory `InMemoryKvIndex` (`max_entries`, same TTL), sets
+`continuum_cache_fallback_active` to 1, and starts a probe that PINGs Redis every
+`probe_interval_s` (30 s by default, as in the seed). When Redis answers again the entries written
+during the fallback are copied into Redis (upserts with a fresh TTL; writes wait until the copy
+is done so a newer event is never overwritten by an older copy), the fallback is emptied, the
+gauge returns to 0, and state listeners are told (`add_state_listener`). What the copy cannot
+repair: removals that happened during the outage of entries Redis held from before it (Redis kept
+them); such entries live until their TTL unless the consumers resync their streams (a resync
+starts with `cache_cleared`, which the consumer manager can trigger from the state listener).
+With `fallback_to_memory: false` writes raise `IndexUnavailableError` (the consumer counts a drop)
+and queries return no holder (the request falls back to the default strategy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import structlog
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, WatchError
+
+from kv_listener.config import read_secret
+from kv_listener.core.model import Tier
+from kv_listener.router.config import (
+    DEFAULT_KEY_PREFIX,
+    KvCacheIndexConfig,
+    RedisConfig,
+    StorageOffloadingConfig,
+)
+from kv_listener.router.index import (
+    KEEP,
+    PREFIX_HASH_RE,
+    REMOVE,
+    BackendEntries,
+    ClearResult,
+    Holder,
+    IndexEvent,
+    IndexStats,
+    InMemoryKvIndex,
+    KvIndex,
+    Outcome,
+    PrefixEventType,
+    Upsert,
+    _Counters,
+    sort_holders,
+    transition,
+)
+from kv_listener.router.metrics import RouterMetrics
+
+log = structlog.get_logger(__name__)
+
+#: What "Redis is unreachable" looks like (redis-py wraps most, TimeoutError is an OSError).
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
+_WATCH_RETRIES = 8
+_BATCH = 256
+
+
+class IndexUnavailableError(Exception):
+    """Redis is unreachable and the in-memory fallback is disabled."""
+
+
+def _str(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class RedisKvIndex(KvIndex):
+    def __init__(
+        self,
+        client: Redis,
+        *,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        entry_ttl_seconds: int = 600,
+        offloading: StorageOffloadingConfig | None = None,
+        fallback_to_memory: bool = True,
+        max_entries: int = 100000,
+        metrics: RouterMetrics | None = None,
+        probe_interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self.key_prefix = key_prefix
+        self.ttl_s = int(entry_ttl_seconds)
+        self.offloading = offloading or StorageOffloadingConfig()
+        self._fallback: InMemoryKvIndex | None = (
+            InMemoryKvIndex(max_entries=max_entries, entry_ttl_seconds=entry_ttl_seconds,
+                            offloading=self.offloading, clock=clock)
+            if fallback_to_memory else None
+        )
+        self._metrics = metrics
+        self.probe_interval_s = probe_interval_s
+        self._clock = clock
+        self._fallback_active = False
+        self._probe_task: asyncio.Task[None] | None = None
+        self._copying: asyncio.Event | None = None  # set while fallback entries go back to Redis
+        self._healthy = asyncio.Event()
+        self._healthy.set()
+        self._listeners: list[Callable[[bool], None]] = []
+        self._n = _Counters()
+        self.redis_errors = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        redis_cfg: RedisConfig,
+        kv_cfg: KvCacheIndexConfig,
+        *,
+        metrics: RouterMetrics | None = None,
+        probe_interval_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> RedisKvIndex:
+        """Build the client from `response_cache.redis`. Raises ConfigError (password file)."""
+        url = redis_cfg.url
+        if redis_cfg.tls and url.startswith("redis://"):
+            url = "rediss://" + url.removeprefix("redis://")
+        kwargs: dict[str, Any] = {
+            "max_connections": redis_cfg.pool_size,
+            # Waiting for a pooled connection is bounded like connecting.
+            "timeout": redis_cfg.connect_timeout_ms / 1000,
+            "socket_connect_timeout": redis_cfg.connect_timeout_ms / 1000,
+            "socket_timeout": redis_cfg.command_timeout_ms / 1000,
+            # One immediate retry covers a pooled connection Redis closed (restart); anything
+            # more would delay the switch to the fallback by redis-py's default backoff.
+            "retry": Retry(NoBackoff(), 1),
+            "decode_responses": True,
+        }
+        if redis_cfg.use_tls and redis_cfg.ca_file is not None:
+            kwargs["ssl_ca_certs"] = redis_cfg.ca_file
+        if redis_cfg.username is not None:
+            kwargs["username"] = redis_cfg.username
+        password = read_secret(redis_cfg.password_file, redis_cfg.password_env)
+        if password is not None:
+            kwargs["password"] = password.decode("utf-8")
+        pool = BlockingConnectionPool.from_url(url, **kwargs)
+        return cls(
+            Redis.from_pool(pool), key_prefix=kv_cfg.key_prefix,
+            entry_ttl_seconds=kv_cfg.entry_ttl_seconds, offloading=kv_cfg.storage_offloading,
+            fallback_to_memory=redis_cfg.fallback_to_memory, max_entries=kv_cfg.max_entries,
+            metrics=metrics, probe_interval_s=probe_interval_s, clock=clock,
+        )
+
+    # --- keys ------------------------------------------------------------------------------
+
+    def hot_key(self, prefix_hash: str) -> str:
+        return f"{self.key_prefix}{prefix_hash}"
+
+    def warm_key(self, prefix_hash: str) -> str:
+        return f"{self.key_prefix}warm:{prefix_hash}"
+
+    def backend_key(self, backend: str) -> str:
+        return f"{self.key_prefix}backend:{backend}"
+
+    # --- state -------------------------------------------------------------------------------
+
+    @property
+    def fallback_active(self) -> bool:
+        return self._fallback_active
+
+    def add_state_listener(self, callback: Callable[[bool], None]) -> None:
+        """`callback(fallback_active)` on every switch to and from the fallback."""
+        self._listeners.append(callback)
+
+    async def wait_recovered(self) -> None:
+        """Return once the index is on Redis (at once when it is)."""
+        await self._healthy.wait()
+
+    async def ping(self) -> bool:
+        try:
+            await self._client.ping()
+        except REDIS_ERRORS:
+            return False
+        return True
+
+    def _failed(self, exc: BaseException, op: str) -> None:
+        self.redis_errors += 1
+        if self._fallback is None:
+            log.warning("kv_index_redis_error", op=op, error=type(exc).__name__)
+            return
+        if self._fallback_active:
+            return
+        self._fallback_active = True
+        self._healthy.clear()
+        if self._metrics is not None:
+            self._metrics.set_fallback_active(True)
+        log.warning("kv_index_redis_unavailable", op=op, error=type(exc).__name__,
+                    fallback="memory", probe_interval_s=self.probe_interval_s)
+        self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+        self._notify(True)
+
+    def _notify(self, active: bool) -> None:
+        for cb in self._listeners:
+            try:
+                cb(active)
+            except Exception as exc:  # a listener's bug must not break the index
+                log.warning("kv_index_state_listener_failed", error=type(exc).__name__)
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.probe_interval_s)  # the seed's periodic health probe
+            if await self.ping() and await self._recover():
+                return
+
+    async def _recover(self) -> bool:
+        fallback = self._fallback
+        assert fallback is not None
+        # Take the fallback's entries and switch back in one synchronous step, then hold
+        # writes until the copy is in Redis, so no newer write lands before an older copy.
+        snapshot = fallback.entries()
+        fallback.clear_now()
+        self._fallback_active = False
+        copying = self._copying = asyncio.Event()
+        try:
+            for i in range(0, len(snapshot), _BATCH):
+                async with self._client.pipeline(transaction=True) as pipe:
+                    for ph, backend, tier, tokens, _age in snapshot[i:i + _BATCH]:
+                        self._queue(pipe, ph, backend, Upsert(tier, tokens))
+                    await pipe.execute()
+        except REDIS_ERRORS as exc:
+            now = self._clock()
+            for ph, backend, tier, tokens, age in snapshot:  # oldest first: keeps the order
+                fallback.upsert(ph, backend, tier, tokens, now - age)
+            self._fallback_active = True
+            log.warning("kv_index_redis_recovery_failed", error=type(exc).__name__)
+            return False
+        finally:
+            self._copying = None
+            copying.set()
+        self._healthy.set()
+        if self._metrics is not None:
+            self._metrics.set_fallback_active(False)
+        log.info("kv_index_redis_recovered", copied_entries=len(snapshot))
+        self._notify(False)
+        return True
+
+    # --- writes ------------------------------------------------------------------------------
+
+    def _queue(self, pipe: Any, ph: str, backend: str, outcome: Outcome) -> None:
+        hot, warm, bset = self.hot_key(ph), self.warm_key(ph), self.backend_key(backend)
+        if isinstance(outcome, Upsert):
+            dst, other = (hot, warm) if outcome.tier is Tier.GPU_HOT else (warm, hot)
+            pipe.zadd(dst, {backend: outcome.token_count})
+            pipe.zrem(other, backend)
+            pipe.sadd(bset, ph)
+            pipe.expire(dst, self.ttl_s)
+            pipe.expire(bset, self.ttl_s)
+        elif outcome is REMOVE:
+            pipe.zrem(hot, backend)
+            pipe.zrem(warm, backend)
+            pipe.srem(bset, ph)
+
+    async def apply(self, event: IndexEvent) -> None:
+        if self._copying is not None:
+            await self._copying.wait()
+        if not self._fallback_active:
+            try:
+                await self._apply_redis(event)
+                return
+            except REDIS_ERRORS as exc:
+                self._failed(exc, "apply")
+                if self._fallback is None:
+                    raise IndexUnavailableError(str(exc)) from exc
+        assert self._fallback is not None
+        self._fallback.apply_now(event)
+
+    async def _apply_redis(self, event: IndexEvent) -> None:
+        if event.type is PrefixEventType.CACHE_CLEARED:
+            await self._clear_backend(event.backend)
+            return
+        ph = event.prefix_hash
+        assert ph is not None
+        off = self.offloading
+        needs_current = (
+            (event.type is PrefixEventType.CACHE_EVICTED and off.enabled
+             and off.treat_eviction_as_offload)
+            or (event.type is PrefixEventType.CACHE_OFFLOADED and off.enabled
+                and event.token_count == 0)
+        )
+        if not needs_current:
+            outcome = transition(event.type, event.token_count, None, off)
+            async with self._client.pipeline(transaction=True) as pipe:
+                self._queue(pipe, ph, event.backend, outcome)
+                await pipe.execute()
+            return
+        await self._apply_watched(event, ph)
+
+    async def _apply_watched(self, event: IndexEvent, ph: str) -> None:
+        """A transition that depends on the current entry: read it under WATCH, write in MULTI."""
+        off = self.offloading
+        hot, warm = self.hot_key(ph), self.warm_key(ph)
+        pipe: Any
+        async with self._client.pipeline(transaction=True) as pipe:
+            for _ in range(_WATCH_RETRIES):
+                try:
+                    await pipe.watch(hot, warm)
+                    hot_score = await pipe.zscore(hot, event.backend)
+                    warm_score = await pipe.zscore(warm, event.backend)
+                    current: tuple[Tier, int] | None = None
+                    if hot_score is not None:
+                        current = (Tier.GPU_HOT, int(hot_score))
+                    elif warm_score is not None:
+                        current = (Tier.STORAGE_WARM, int(warm_score))
+                    outcome = transition(event.type, event.token_count, current, off)
+                    if outcome is KEEP:
+                        await pipe.reset()
+                        return
+                    pipe.multi()
+                    self._queue(pipe, ph, event.backend, outcome)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue  # another router wrote this prefix meanwhile: read it again
+        log.warning("kv_index_watch_contention", backend=event.backend, event=event.type.value)
+
+    async def _clear_backend(self, backend: str) -> None:
+        bset = self.backend_key(backend)
+        pipe: Any
+        async with self._client.pipeline(transaction=True) as pipe:
+            for _ in range(_WATCH_RETRIES):
+                try:
+                    await pipe.watch(bset)
+                    members = [_str(m) for m in await pipe.smembers(bset)]
+                    pipe.multi()
+                    for ph in members:
+                        pipe.zrem(self.hot_key(ph), backend)
+                        pipe.zrem(self.warm_key(ph), backend)
+                    pipe.delete(bset)
+                    await pipe.execute()
+                    return
+                except WatchError:
+                    continue
+        log.warning("kv_index_watch_contention", backend=backend, event="cache_cleared")
+
+    # --- reads -------------------------------------------------------------------------------
+
+    async def query(self, prefix_hash: str) -> list[Holder]:
+        self._n.queries += 1
+        holders = await self._query(prefix_hash)
+        if holders:
+            self._n.hits += 1
+        return holders
+
+    async def _query(self, prefix_hash: str) -> list[Holder]:
+        if not PREFIX_HASH_RE.match(prefix_hash):
+            return []  # never build a key from something that is not a prefix hash
+        if not self._fallback_active:
+            try:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    pipe.zrevrangebyscore(self.hot_key(prefix_hash), "+inf", "-inf",
+                                          withscores=True)
+                    pipe.zrevrangebyscore(self.warm_key(prefix_hash), "+inf", "-inf",
+                                          withscores=True)
+                    hot_rows, warm_rows = await pipe.execute()
+            except REDIS_ERRORS as exc:
+                self._failed(exc, "query")
+                if self._fallback is None:
+                    return []
+            else:
+                found: dict[str, Holder] = {}
+                for rows, tier in ((hot_rows, Tier.GPU_HOT), (warm_rows, Tier.STORAGE_WARM)):
+                    for member, score in rows:
+                        name = _str(member)
+                        # Both ZSETs can name a backend only for a moment between two routers'
+                        # writes; GPU wins, as it would after the second write.
+                        if name not in found:
+                            found[name] = Holder(name, int(score), tier)
+                return sort_holders(list(found.values()))
+        assert self._fallback is not None
+        return self._fallback.query_now(prefix_hash)
+
+    def _classify(self, key: str) -> tuple[str, str] | None:
+        """('hot'|'warm', prefix_hash) or ('backend', name) for our keys, None for others."""
+        rest = key[len(self.key_prefix):]
+        if PREFIX_HASH_RE.match(rest):
+            return "hot", rest
+        if rest.startswith("warm:") and PREFIX_HASH_RE.match(rest[5:]):
+            return "warm", rest[5:]
+        if rest.startswith("backend:"):
+            return "backend", rest[8:]
+        return None
+
+    async def _scan(self, pattern_suffix: str = "*") -> Iterable[list[str]]:
+        keys: list[str] = []
+        batches: list[list[str]] = []
+        match = _glob_escape(self.key_prefix) + pattern_suffix
+        async for key in self._client.scan_iter(match=match, count=1000):
+            keys.append(_str(key))
+            if len(keys) >= _BATCH:
+                batches.append(keys)
+                keys = []
+        if keys:
+            batches.append(keys)
+        return batches
+
+    async def _redis_stats(self) -> IndexStats:
+        per_backend: dict[str, list[int]] = {}
+        prefixes: set[str] = set()
+        entries = 0
+        for batch in await self._scan():
+            zsets = [(k, c) for k in batch if (c := self._classify(k)) and c[0] != "backend"]
+            if not zsets:
+                continue
+            async with self._client.pipeline(transaction=False) as pipe:
+                for k, _ in zsets:
+                    pipe.zrange(k, 0, -1)
+                results = await pipe.execute()
+            for (_, (kind, ph)), members in zip(zsets, results, strict=True):
+                if not members:
+                    continue
+                prefixes.add(ph)
+                entries += len(members)
+                for m in members:
+                    counts = per_backend.setdefault(_str(m), [0, 0])
+                    counts[0 if kind == "hot" else 1] += 1
+        return IndexStats(
+            kind="redis", entries=entries, prefixes=len(prefixes),
+            per_backend={b: BackendEntries(gpu_hot=c[0], storage_warm=c[1])
+                         for b, c in per_backend.items()},
+            queries=self._n.queries, hits=self._n.hits, expired=self._n.expired,
+        )
+
+    async def stats(self) -> IndexStats:
+        """Counts come from a SCAN of the key prefix: O(entries), meant for the admin API."""
+        if not self._fallback_active:
+            try:
+                return await self._redis_stats()
+            except REDIS_ERRORS as exc:
+                self._failed(exc, "stats")
+                if self._fallback is None:
+                    raise IndexUnavailableError(str(exc)) from exc
+        assert self._fallback is not None
+        fb = self._fallback.stats_now()
+        return replace(fb, kind="redis", fallback_active=True, queries=self._n.queries,
+                       hits=self._n.hits)
+
+    async def clear(self) -> ClearResult:
+        """Delete every key under the key prefix, which other routers sharing this Redis use too:
+        they lose their index as well (it refills from the event streams). Also empties the
+        fallback."""
+        fb = self._fallback.clear_now() if self._fallback is not None else ClearResult(0, 0)
+        if self._fallback_active:
+            return fb
+        try:
+            before = (await self._redis_stats()).entries
+            cleared = 0
+            for batch in await self._scan():
+                zsets = [k for k in batch if (c := self._classify(k)) and c[0] != "backend"]
+                async with self._client.pipeline(transaction=True) as pipe:
+                    for k in zsets:
+                        pipe.zcard(k)
+                    pipe.unlink(*batch)
+                    results = await pipe.execute()
+                cleared += sum(int(n) for n in results[:-1])
+        except REDIS_ERRORS as exc:
+            self._failed(exc, "clear")
+            if self._fallback is None:
+                raise IndexUnavailableError(str(exc)) from exc
+            return fb
+        log.info("kv_index_cleared", backend="redis", entries=cleared, key_prefix=self.key_prefix)
+        return ClearResult(entries_before_clear=before + fb.entries_before_clear,
+                           cleared_entries=cleared + fb.cleared_entries)
+
+    async def cleanup_expired(self) -> int:
+        """Prune backend-set members whose prefix ZSETs no longer hold that backend (expired by
+        TTL). A create racing the prune can lose its set membership: the entry then survives a
+        `cache_cleared` until its TTL; rare and bounded, so no WATCH here."""
+        if self._fallback_active:
+            assert self._fallback is not None
+            return self._fallback.cleanup_now()
+        pruned = 0
+        try:
+            for batch in await self._scan("backend:*"):
+                for key in batch:
+                    c = self._classify(key)
+                    if c is None or c[0] != "backend":
+                        continue
+                    backend = c[1]
+                    async for chunk in self._sscan_chunks(key):
+                        async with self._client.pipeline(transaction=False) as pipe:
+                            for ph in chunk:
+                                pipe.zscore(self.hot_key(ph), backend)
+                                pipe.zscore(self.warm_key(ph), backend)
+                            scores = await pipe.execute()
+                        stale = [ph for i, ph in enumerate(chunk)
+                                 if scores[2 * i] is None and scores[2 * i + 1] is None]
+                        if stale:
+                            await self._client.srem(key, *stale)
+                            pruned += len(stale)
+        except REDIS_ERRORS as exc:
+            self._failed(exc, "cleanup")
+            return pruned
+        self._n.expired += pruned
+        return pruned
+
+    async def _sscan_chunks(self, key: str) -> AsyncIterator[list[str]]:
+        chunk: list[str] = []
+        async for member in self._client.sscan_iter(key, count=_BATCH):
+            chunk.append(_str(member))
+            if len(chunk) >= _BATCH:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+    async def close(self) -> None:
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+            self._probe_task = None
+        await self._client.aclose()
