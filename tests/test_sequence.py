@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from kv_listener.core.decode import DropReason, TrtllmRecord
 from kv_listener.core.model import (
     AllBlocksCleared,
     BlockRemoved,
@@ -219,14 +219,14 @@ def test_event_frames_wire_vector() -> None:
 @pytest.mark.parametrize(
     ("frames", "reason"),
     [
-        ([b"t", b"\x00" * 8], SourceDropReason.BAD_FRAME_COUNT),
-        ([b"t", b"\x00" * 8, b"p", b"extra"], SourceDropReason.BAD_FRAME_COUNT),
-        ([b"t", b"\x00" * 4, b"p"], SourceDropReason.BAD_SEQ_FRAME),
-        ([b"t", b"", b"p"], SourceDropReason.BAD_SEQ_FRAME),
+        ([b"t", b"\x00" * 8], DropReason.BAD_FRAME_COUNT),
+        ([b"t", b"\x00" * 8, b"p", b"extra"], DropReason.BAD_FRAME_COUNT),
+        ([b"t", b"\x00" * 4, b"p"], DropReason.BAD_SEQ),
+        ([b"t", b"", b"p"], DropReason.BAD_SEQ),
     ],
 )
 def test_malformed_event_frames_raise_with_a_reason(
-    frames: list[bytes], reason: SourceDropReason
+    frames: list[bytes], reason: DropReason
 ) -> None:
     with pytest.raises(FrameError) as info:
         parse_event_frames(frames)
@@ -266,12 +266,12 @@ def test_malformed_replay_frames_raise(frames: list[bytes]) -> None:
 # --- TRT-LLM event stream ------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Rec:
-    event_id: int
-    events: tuple[KvEvent, ...]
-    window_size: int | None = None
-    dp_rank: int | None = None
+def Rec(
+    event_id: int, events: tuple[KvEvent, ...], window_size: int | None = None,
+    dp_rank: int | None = None,
+) -> TrtllmRecord:
+    # The decoder's own record type: proves it satisfies TrtllmRecordLike.
+    return TrtllmRecord(event_id, window_size, dp_rank, events)
 
 
 def stored(h: int) -> BlockStored:
@@ -284,7 +284,7 @@ def test_trtllm_first_poll_applied_then_duplicates_skipped() -> None:
     assert out.items == (EventBatch(ts=1.0, events=(stored(1), stored(2))),)
     out = s.accept([Rec(6, (stored(2),)), Rec(7, (BlockRemoved((1,)),))], ts=2.0)
     assert out.items == (EventBatch(ts=2.0, events=(BlockRemoved((1,)),)),)
-    assert out.drops == {"duplicate_event": 1}
+    assert out.drops == {"duplicate_event_id": 1}
     assert s.last_event_id() == 7
 
 

@@ -16,7 +16,8 @@ Wire facts this relies on (vLLM 0.9.0 .. 0.33.0 `ZmqEventPublisher`, SGLang's co
 Rules:
 
 - The first batch after start (or after `reset`) is applied as it is: there is no history.
-- `seq == expected` applies; `seq == expected - 1` is a duplicate (skipped, counted by the edge);
+- `seq == expected` applies; `seq == expected - 1` is a duplicate (skipped, counted by the edge
+  as `stale_seq`);
   any older `seq` means the sequence went backwards, i.e. the engine restarted: the edge clears
   the source and the batch is applied after the clear.
 - `seq > expected` is a gap. The edge fetches `expected .. seq-1` by replay when it can and hands
@@ -41,6 +42,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from kv_listener.core.decode import DropReason
 from kv_listener.core.model import (
     CacheCreated,
     ClearReason,
@@ -57,24 +59,20 @@ END_SEQ = b"\xff" * 8
 
 
 class SourceDropReason(enum.StrEnum):
-    """Why a source dropped a message or events before/around decoding. Values are metric labels
-    (`events_dropped{reason}`); the decoder's own reasons are a separate Enum."""
+    """Drop reasons of the sources that the decoder's `DropReason` does not define (frame count,
+    seq frame, stale seq and duplicate TRT-LLM event ids are `DropReason` members). Values are
+    metric labels (`events_dropped{reason}`)."""
 
-    BAD_FRAME_COUNT = "bad_frame_count"  # live message not [topic, seq, payload]
-    BAD_SEQ_FRAME = "bad_seq_frame"  # seq frame not 8 bytes
     BAD_REPLAY_FRAME = "bad_replay_frame"  # replay reply in neither layout
-    DUPLICATE_BATCH = "duplicate_batch"  # ZMQ seq already applied
-    DUPLICATE_EVENT = "duplicate_event"  # TRT-LLM event_id already applied
     WINDOW_NOT_MAX = "window_not_max"  # TRT-LLM VSWA: event of a smaller attention window
     QUEUE_OVERFLOW = "queue_overflow"  # our bounded queue was full (a clear follows)
     REPLAY_BACKLOG_OVERFLOW = "replay_backlog_overflow"  # live batches beyond the bound during a replay
-    DECODE_ERROR = "decode_error"  # a whole batch failed to decode (when the decoder gives no reason)
 
 
 class FrameError(ValueError):
     """A multipart message that is not in the engine's frame layout."""
 
-    def __init__(self, reason: SourceDropReason, detail: str) -> None:
+    def __init__(self, reason: DropReason | SourceDropReason, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
 
@@ -84,10 +82,10 @@ def parse_event_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
 
     vLLM 0.9.0 .. 0.33.0 and SGLang send exactly 3 frames (wire-formats §1 rule 1)."""
     if len(frames) != 3:
-        raise FrameError(SourceDropReason.BAD_FRAME_COUNT, f"{len(frames)} frames, expected 3")
+        raise FrameError(DropReason.BAD_FRAME_COUNT, f"{len(frames)} frames, expected 3")
     topic, seq, payload = frames
     if len(seq) != 8:
-        raise FrameError(SourceDropReason.BAD_SEQ_FRAME, f"seq frame of {len(seq)} bytes, expected 8")
+        raise FrameError(DropReason.BAD_SEQ, f"seq frame of {len(seq)} bytes, expected 8")
     return bytes(topic), int.from_bytes(seq, "big"), bytes(payload)
 
 
@@ -329,7 +327,7 @@ class TrtllmEventStream:
                 items.append(SourceCleared(reason))
             self._applied_windows.clear()
 
-        def drop(reason: SourceDropReason) -> None:
+        def drop(reason: DropReason | SourceDropReason) -> None:
             drops[reason.value] = drops.get(reason.value, 0) + 1
 
         windows = [r.window_size for r in records if r.window_size is not None]
@@ -345,7 +343,7 @@ class TrtllmEventStream:
             if any(isinstance(e, CacheCreated) for e in record.events):
                 clear(ClearReason.ENGINE_CLEARED)
             elif last is not None and record.event_id <= last:
-                drop(SourceDropReason.DUPLICATE_EVENT)
+                drop(DropReason.DUPLICATE_EVENT_ID)
                 continue
             elif last is not None and record.event_id > last + 1:
                 gaps += 1

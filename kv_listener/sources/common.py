@@ -1,0 +1,148 @@
+"""What both sources share: the non-blocking queue feeder and the publisher allow-list.
+
+`QueueFeeder` is the only way a source puts items on its bounded queue: it never waits for the
+consumer (`put_nowait`); when the queue is full the item is dropped and counted, and once there is
+room again a `SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent.
+
+`PublisherAllowList` answers "may this peer address publish to this source?" for the entries of
+`allowed_publishers`: IP addresses, CIDR networks, and host names (resolved with the event loop's
+resolver, refreshed at most every `refresh_s` when an unknown address shows up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+import time
+from collections.abc import Iterable
+
+import structlog
+
+from kv_listener.core.model import ClearReason, EventBatch, SourceCleared, SourceItem
+from kv_listener.core.sequence import SourceDropReason
+from kv_listener.stats import SourceStats
+
+log = structlog.get_logger(__name__)
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class QueueFeeder:
+    """Puts a source's items on its bounded queue without ever blocking (see module doc)."""
+
+    __slots__ = ("_backend", "_overflowed", "_queue", "_stats")
+
+    def __init__(self, queue: asyncio.Queue[SourceItem], stats: SourceStats, backend: str) -> None:
+        self._queue = queue
+        self._stats = stats
+        self._backend = backend
+        self._overflowed = False
+
+    @property
+    def overflowed(self) -> bool:
+        """True while items are being dropped and the overflow clear is not yet queued."""
+        return self._overflowed
+
+    def put(self, item: SourceItem) -> bool:
+        """Queue `item` (after the pending overflow clear, if any). False when it was dropped."""
+        if self._overflowed:
+            try:
+                self._queue.put_nowait(SourceCleared(ClearReason.OVERFLOW))
+            except asyncio.QueueFull:
+                self._drop(item)
+                return False
+            self._overflowed = False
+            self._stats.clears[ClearReason.OVERFLOW.value] += 1
+            log.warning("source_overflow_cleared", backend=self._backend)
+        try:
+            self._queue.put_nowait(item)
+        except asyncio.QueueFull:
+            self._overflowed = True
+            log.warning("source_queue_full", backend=self._backend, maxsize=self._queue.maxsize)
+            self._drop(item)
+            return False
+        if isinstance(item, SourceCleared):
+            self._stats.clears[item.reason.value] += 1
+        self._stats.queue_depth = self._queue.qsize()
+        return True
+
+    def _drop(self, item: SourceItem) -> None:
+        # A dropped SourceCleared needs no count of its own: the overflow clear supersedes it.
+        if isinstance(item, EventBatch):
+            self._stats.events_dropped[SourceDropReason.QUEUE_OVERFLOW.value] += max(1, len(item.events))
+        self._stats.queue_depth = self._queue.qsize()
+
+
+def parse_address(text: str) -> IPAddress | None:
+    """A peer address as ZMQ/asyncio report it -> an IP (IPv4-mapped IPv6 unwrapped), or None."""
+    text = text.strip().strip("[]")
+    text = text.split("%", 1)[0]  # IPv6 zone id
+    try:
+        addr = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        return addr.ipv4_mapped
+    return addr
+
+
+class PublisherAllowList:
+    """`allowed_publishers` as a matcher of peer IP addresses."""
+
+    def __init__(self, entries: Iterable[str], *, refresh_s: float = 30.0) -> None:
+        self.networks: list[IPNetwork] = []
+        self.names: list[str] = []
+        for entry in entries:
+            try:
+                self.networks.append(ipaddress.ip_network(entry, strict=False))
+            except ValueError:
+                self.names.append(entry.lower())
+        self._resolved: frozenset[IPAddress] = frozenset()
+        self._resolved_at: float | None = None
+        self._refresh_s = refresh_s
+
+    def allows(self, address: str) -> bool:
+        addr = parse_address(address)
+        if addr is None:
+            return False
+        if any(addr in net for net in self.networks):
+            return True
+        return addr in self._resolved
+
+    def stale(self) -> bool:
+        """Host names are listed and were not resolved within `refresh_s`."""
+        if not self.names:
+            return False
+        return self._resolved_at is None or time.monotonic() - self._resolved_at >= self._refresh_s
+
+    async def refresh(self, timeout_s: float = 5.0) -> None:
+        """Resolve the host names (failures are logged and leave that name matching nothing)."""
+        if not self.names:
+            return
+        loop = asyncio.get_running_loop()
+        resolved: set[IPAddress] = set()
+        for name in self.names:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            except (OSError, TimeoutError) as exc:
+                log.warning("publisher_name_unresolved", host=name, error=type(exc).__name__)
+                continue
+            for info in infos:
+                addr = parse_address(str(info[4][0]))
+                if addr is not None:
+                    resolved.add(addr)
+        self._resolved = frozenset(resolved)
+        self._resolved_at = time.monotonic()
+
+    async def check(self, address: str) -> bool:
+        """`allows`, re-resolving the host names first when they are stale and the address is
+        not (yet) known."""
+        if self.allows(address):
+            return True
+        if self.stale():
+            await self.refresh()
+            return self.allows(address)
+        return False

@@ -1,0 +1,385 @@
+"""ZMQ source: receives one vLLM / SGLang engine's KV-cache event batches (SPEC §5).
+
+Owns the SUB socket (bind or connect, topic prefix filter), the replay DEALER, the ZAP
+authenticator that enforces `allowed_publishers`, and turning frames into queue items:
+
+- `EventBatch` (with `seq`) for every batch to apply, in sequence order;
+- `SourceCleared(reason)` before the batch that revealed an engine restart (`engine_restart`), a
+  gap that replay could not cover (`gap`), or our own queue overflowing (`overflow`).
+
+Wire rules (wire-formats §1, §2.1, §2.2, §7.1, §7.5; vLLM 0.9.0 .. 0.33.0, SGLang 0.4.7 .. 0.5.23):
+frames are `[topic, seq (8 bytes BE), payload]`; a message in any other shape is counted under
+its reason and skipped. The sequence logic is `core.sequence.SequenceTracker`. On a gap, with a
+`replay_endpoint`, a DEALER sends `[b"", start_seq]` and reads replies in either layout until the
+end marker; live batches arriving meanwhile are kept (bounded) and processed after the replay.
+A replay that times out is abandoned with its DEALER (late replies must not be mistaken for the
+next replay's).
+
+Peers: ZAP (`zmq.auth`, asyncio) checks every TCP peer of the SUB socket against
+`allowed_publishers` (IPs, CIDR networks, host names); refused peers are counted in
+`refused_publishers` and logged once per address. The authenticator is per zmq Context, so each
+source has its own Context: many sources run in one process. The replay DEALER connects to an
+endpoint the operator configured and is not ZAP-checked; ipc:// and inproc:// peers are local
+processes (protected by file permissions) and have no address to check.
+
+Receiving never waits for downstream work: items go on the bounded queue with `put_nowait`
+(`QueueFeeder`): a full queue drops and counts, then queues `SourceCleared(overflow)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
+
+from kv_listener.config import SourceConfig
+from kv_listener.core.decode import DecodeError, DropReason, decode_zmq_payload
+from kv_listener.core.model import ClearReason, Engine, SourceCleared, SourceItem
+from kv_listener.core.sequence import (
+    FrameError,
+    GapOutcome,
+    ReplayStatus,
+    SeqAction,
+    SeqDecision,
+    SequenceTracker,
+    SourceDropReason,
+    parse_event_frames,
+    parse_replay_frames,
+    replay_request,
+)
+from kv_listener.sources.common import PublisherAllowList, QueueFeeder
+from kv_listener.stats import SourceStats
+
+log = structlog.get_logger(__name__)
+
+#: ZAP domain set on the SUB socket: libzmq >= 4.3 runs ZAP for the NULL mechanism only on
+#: sockets that have a domain.
+ZAP_DOMAIN = b"continuum-kv-listener"
+_MAX_LOGGED_PEERS = 1024
+_BIND_RETRY_MAX_S = 30.0
+
+
+class _AllowListAuthenticator(AsyncioAuthenticator):
+    """ZAP handler that checks the peer address against `PublisherAllowList` (IPs, CIDR
+    networks, host names); zmq.auth's own allow-list is exact IP strings only."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        allow: PublisherAllowList,
+        stats: SourceStats,
+        backend: str,
+        on_refused: asyncio.Event,
+    ) -> None:
+        super().__init__(context)
+        self._allow = allow
+        self._stats = stats
+        self._backend = backend
+        self._on_refused = on_refused
+        self._logged: set[str] = set()
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        if len(msg) < 6:
+            if len(msg) >= 2:
+                self._send_zap_reply(msg[1], b"400", b"Not enough frames")
+            return
+        version, request_id, _domain, address_b, _identity, _mechanism = msg[:6]
+        if version != b"1.0":
+            self._send_zap_reply(request_id, b"400", b"Invalid version")
+            return
+        address = address_b.decode("utf-8", "replace")
+        if await self._allow.check(address):
+            self._send_zap_reply(request_id, b"200", b"OK", "anonymous")
+            return
+        self._stats.refused_publishers += 1
+        if address not in self._logged and len(self._logged) < _MAX_LOGGED_PEERS:
+            self._logged.add(address)
+            log.warning("zmq_publisher_refused", backend=self._backend, peer=address)
+        self._send_zap_reply(request_id, b"400", b"Address not allowed")
+        self._on_refused.set()
+
+
+class ZmqSource:
+    """One vLLM / SGLang engine instance (one DP rank: one seq space) as a stream of items.
+
+    `queue` is bounded and created by the caller; `stats` is this source's counters. `run()`
+    runs until cancelled and closes every socket on the way out.
+
+    Optional knobs: `replay_timeout_s` bounds a whole replay (request to end marker);
+    `max_replay_backlog` bounds the live batches kept while a replay is in flight;
+    `rcvhwm` is the SUB socket's high-water mark.
+    """
+
+    def __init__(
+        self,
+        config: SourceConfig,
+        queue: asyncio.Queue[SourceItem],
+        stats: SourceStats,
+        *,
+        replay_timeout_s: float = 5.0,
+        max_replay_backlog: int = 4096,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        if config.engine not in (Engine.VLLM, Engine.SGLANG):
+            raise ValueError(f"{config.backend_name}: ZmqSource is for vllm/sglang, not {config.engine}")
+        if config.zmq_endpoint is None:
+            raise ValueError(f"{config.backend_name}: zmq_endpoint is required")
+        if config.zmq_mode not in ("bind", "connect"):
+            raise ValueError(f"{config.backend_name}: zmq_mode must be bind or connect")
+        self.config = config
+        self.stats = stats
+        self._queue = queue
+        self._feeder = QueueFeeder(queue, stats, config.backend_name)
+        self._seq = SequenceTracker()
+        self._replay_timeout_s = replay_timeout_s
+        self._max_backlog = max_replay_backlog
+        self._rcvhwm = rcvhwm
+        self._backlog: deque[list[bytes]] = deque()
+        self._live_fut: asyncio.Future[list[bytes]] | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._log = log.bind(backend=config.backend_name)
+        #: Set once the SUB socket is bound/connected (also `stats.ready`).
+        self.ready = asyncio.Event()
+        #: Set each time a peer is refused by `allowed_publishers`.
+        self.peer_refused = asyncio.Event()
+        #: The endpoint actually bound (port 0 resolved) or connected to.
+        self.endpoint: str | None = None
+
+    @property
+    def _uses_zap(self) -> bool:
+        return (self.config.zmq_endpoint or "").startswith("tcp://")
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        ctx = zmq.asyncio.Context()
+        self._ctx = ctx
+        auth: _AllowListAuthenticator | None = None
+        sub: zmq.asyncio.Socket | None = None
+        try:
+            if self._uses_zap:
+                allow = PublisherAllowList(self.config.allowed_publishers)
+                await allow.refresh()
+                auth = _AllowListAuthenticator(
+                    ctx, allow, self.stats, self.config.backend_name, self.peer_refused
+                )
+                auth.start()
+            sub = ctx.socket(zmq.SUB)
+            sub.linger = 0
+            sub.rcvhwm = self._rcvhwm
+            if auth is not None:
+                sub.zap_domain = ZAP_DOMAIN
+            sub.setsockopt(zmq.SUBSCRIBE, self.config.zmq_topic.encode("utf-8"))
+            await self._attach(sub)
+            if self.config.replay_endpoint is not None:
+                self._dealer = self._new_dealer()
+            self.stats.ready = True
+            self.ready.set()
+            self._log.info("zmq_source_ready", endpoint=self.endpoint, mode=self.config.zmq_mode)
+            while True:
+                frames = self._backlog.popleft() if self._backlog else await self._recv_live(sub)
+                await self._handle(sub, frames)
+        finally:
+            self.stats.ready = False
+            self.ready.clear()
+            if self._live_fut is not None:
+                self._live_fut.cancel()
+                self._live_fut = None
+            self._close_dealer()
+            if sub is not None:
+                sub.close(linger=0)
+            if auth is not None:
+                auth.stop()
+            ctx.destroy(linger=0)
+            self._ctx = None
+
+    async def _attach(self, sub: zmq.asyncio.Socket) -> None:
+        endpoint = self.config.zmq_endpoint
+        assert endpoint is not None
+        delay = 0.5
+        while True:
+            try:
+                if self.config.zmq_mode == "bind":
+                    sub.bind(endpoint)
+                    self.endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+                else:
+                    sub.connect(endpoint)
+                    self.endpoint = endpoint
+                return
+            except zmq.ZMQError as exc:
+                # e.g. the port is still held by a previous process: keep trying, not ready.
+                self._log.error("zmq_attach_failed", endpoint=endpoint, mode=self.config.zmq_mode,
+                                error=exc.strerror, retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BIND_RETRY_MAX_S)
+
+    def _new_dealer(self) -> zmq.asyncio.Socket:
+        assert self._ctx is not None and self.config.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(self.config.replay_endpoint)
+        return dealer
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    async def _recv_live(self, sub: zmq.asyncio.Socket) -> list[bytes]:
+        # One pending receive shared with the replay loop, so that no message is ever consumed
+        # by a future that gets cancelled.
+        if self._live_fut is None:
+            self._live_fut = _recv(sub)
+        frames = await self._live_fut
+        self._live_fut = None
+        return frames
+
+    # --- live batches -------------------------------------------------------------------
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.stats.events_dropped[reason] += n
+
+    async def _handle(self, sub: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        try:
+            _topic, seq, payload = parse_event_frames(frames)
+        except FrameError as exc:
+            self._drop(exc.reason.value)
+            self._log.warning("zmq_bad_message", reason=exc.reason.value, detail=str(exc))
+            return
+        self.stats.batches_received += 1
+        decision = self._seq.observe(seq)
+        if decision.action is SeqAction.APPLY:
+            self._apply(seq, payload)
+        elif decision.action is SeqAction.DUPLICATE:
+            self._drop(DropReason.STALE_SEQ.value)
+        elif decision.action is SeqAction.RESTART:
+            self._log.warning("zmq_engine_restart", expected=decision.expected, got=seq)
+            self._feeder.put(SourceCleared(ClearReason.ENGINE_RESTART))
+            self._apply(seq, payload)
+        else:
+            await self._fill_gap(sub, decision, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            decoded = decode_zmq_payload(self.config.engine, payload, seq)
+        except DecodeError as exc:
+            self._drop(exc.reason.value)
+            self._log.warning("zmq_batch_undecodable", reason=exc.reason.value, seq=seq)
+            return
+        self.stats.events_received += decoded.raw_events
+        self.stats.events_decoded += len(decoded.batch.events)
+        for reason, n in decoded.drops.items():
+            self._drop(str(reason), n)
+        self.stats.last_event_at = time.time()
+        if decoded.batch.events:
+            self._feeder.put(decoded.batch)
+
+    # --- gaps and replay ----------------------------------------------------------------
+
+    async def _fill_gap(self, sub: zmq.asyncio.Socket, decision: SeqDecision, payload: bytes) -> None:
+        expected = decision.expected
+        assert expected is not None
+        self.stats.gaps += 1
+        self._log.warning("zmq_gap", expected=expected, got=decision.got,
+                          replay=self.config.replay_endpoint is not None)
+        if self._dealer is None and self.config.replay_endpoint is not None:
+            self._dealer = self._new_dealer()
+        if self._dealer is None:
+            replayed: list[tuple[int, bytes]] = []
+            status = ReplayStatus.UNAVAILABLE
+        else:
+            replayed, status = await self._replay(sub, self._dealer, expected, decision.got)
+        plan = self._seq.fill_gap(decision, payload, replayed, status)
+        if plan.clear:
+            if plan.outcome is not GapOutcome.NO_REPLAY:
+                self.stats.replay_failures += 1
+            self._log.warning("zmq_gap_cleared", expected=expected, got=decision.got,
+                              outcome=plan.outcome.value)
+            self._feeder.put(SourceCleared(ClearReason.GAP))
+        else:
+            self.stats.replays += 1
+            self._log.info("zmq_gap_replayed", expected=expected, got=decision.got)
+        for seq, item in plan.batches:
+            self._apply(seq, item)
+
+    async def _replay(
+        self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket, start: int, got: int
+    ) -> tuple[list[tuple[int, bytes]], ReplayStatus]:
+        """Ask the engine for `start..` and read replies until the end marker, the deadline, or
+        an error, while live batches keep being received into the backlog."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._replay_timeout_s
+        replayed: list[tuple[int, bytes]] = []
+        status = ReplayStatus.TIMEOUT
+        send_fut: asyncio.Future[Any] | None = _send(dealer, replay_request(start))
+        reply_fut: asyncio.Future[list[bytes]] | None = None
+        try:
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                if self._live_fut is None:
+                    self._live_fut = _recv(sub)
+                if send_fut is None and reply_fut is None:
+                    reply_fut = _recv(dealer)
+                other = send_fut if send_fut is not None else reply_fut
+                assert other is not None
+                waiting: set[asyncio.Future[Any]] = {self._live_fut, other}
+                done, _ = await asyncio.wait(waiting, timeout=remaining,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if self._live_fut in done:
+                    frames = self._live_fut.result()
+                    self._live_fut = None
+                    if len(self._backlog) < self._max_backlog:
+                        self._backlog.append(frames)
+                    else:
+                        # Lost like a high-water-mark drop: the next batch shows a gap again.
+                        self._drop(SourceDropReason.REPLAY_BACKLOG_OVERFLOW.value)
+                if send_fut is not None and send_fut in done:
+                    send_fut.result()
+                    send_fut = None
+                if reply_fut is not None and reply_fut in done:
+                    frames = reply_fut.result()
+                    reply_fut = None
+                    try:
+                        reply = parse_replay_frames(frames)
+                    except FrameError as exc:
+                        self._drop(exc.reason.value)
+                        continue
+                    if reply is None:
+                        status = ReplayStatus.COMPLETE
+                        break
+                    # Keep only what can be used (start..got-1): bounded memory whatever the
+                    # engine's buffer holds.
+                    if start <= reply[0] < got:
+                        replayed.append(reply)
+        except zmq.ZMQError as exc:
+            self._log.warning("zmq_replay_error", error=exc.strerror)
+            status = ReplayStatus.UNAVAILABLE
+        finally:
+            for fut in (send_fut, reply_fut):
+                if fut is not None:
+                    fut.cancel()
+        if status is not ReplayStatus.COMPLETE:
+            # Late replies of this request would be read as the next replay's.
+            self._close_dealer()
+        if status is ReplayStatus.TIMEOUT:
+            self._log.warning("zmq_replay_timeout", start=start, received=len(replayed))
+        return replayed, status
+
+
+def _recv(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:
+    fut: asyncio.Future[list[bytes]] = sock.recv_multipart()  # type: ignore[assignment]
+    return fut
+
+
+def _send(sock: zmq.asyncio.Socket, frames: list[bytes]) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = sock.send_multipart(frames)  # type: ignore[assignment]
+    return fut

@@ -1,0 +1,451 @@
+"""ZmqSource against SimPublisher over real ZMQ sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from array import array
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import zmq
+from structlog.testing import capture_logs
+
+from kv_listener.config import SourceConfig
+from kv_listener.core.model import (
+    BlockRemoved,
+    BlockStored,
+    ClearReason,
+    Engine,
+    EventBatch,
+    SourceCleared,
+    SourceItem,
+)
+from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
+from kv_listener.sim.publisher import SimPublisher
+from kv_listener.sources.zmq import ZmqSource
+from kv_listener.stats import SourceStats
+
+TIMEOUT = 5.0
+
+
+def stored(h: int, parent: int | None = None) -> BlockStored:
+    return BlockStored(
+        block_hashes=(h,), parent_hash=parent, token_ids=array("I", [1, 2, 3, 4]), block_size=4,
+        medium="GPU",
+    )
+
+
+def payload(*hashes: int, version: str = "0.33", dp_rank: int = 0) -> bytes:
+    return encode_vllm_batch([stored(h) for h in hashes], ts=1700000000.5, dp_rank=dp_rank,
+                             version=version)
+
+
+def config(**overrides: Any) -> SourceConfig:
+    base: dict[str, Any] = {
+        "backend_name": "vllm-1",
+        "engine": Engine.VLLM,
+        "model": "m",
+        "zmq_endpoint": "tcp://127.0.0.1:0",
+        "zmq_mode": "bind",
+        "allowed_publishers": ("127.0.0.1",),
+    }
+    base.update(overrides)
+    return SourceConfig(**base)
+
+
+class ObservedQueue(asyncio.Queue[SourceItem]):
+    """A real bounded asyncio.Queue that also lets a test await each put attempt (accepted or
+    refused), so overflow can be tested without sleeping."""
+
+    def __init__(self, maxsize: int) -> None:
+        super().__init__(maxsize)
+        self.attempts = 0
+        self._attempted = asyncio.Condition()
+
+    def put_nowait(self, item: SourceItem) -> None:
+        self.attempts += 1
+        asyncio.get_running_loop().create_task(self._notify())
+        super().put_nowait(item)
+
+    async def _notify(self) -> None:
+        async with self._attempted:
+            self._attempted.notify_all()
+
+    async def wait_attempts(self, n: int) -> None:
+        async with asyncio.timeout(TIMEOUT), self._attempted:
+            await self._attempted.wait_for(lambda: self.attempts >= n)
+
+
+@contextlib.asynccontextmanager
+async def running(source: ZmqSource) -> AsyncIterator[asyncio.Task[None]]:
+    task = asyncio.create_task(source.run())
+    try:
+        ready = asyncio.create_task(source.ready.wait())
+        done, _ = await asyncio.wait({task, ready}, timeout=TIMEOUT,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if ready not in done:
+            ready.cancel()
+            if task in done:
+                task.result()
+            raise TimeoutError("source never became ready")
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert not source.stats.ready
+
+
+async def get(queue: asyncio.Queue[SourceItem]) -> SourceItem:
+    async with asyncio.timeout(TIMEOUT):
+        return await queue.get()
+
+
+async def get_batch(queue: asyncio.Queue[SourceItem]) -> EventBatch:
+    item = await get(queue)
+    assert isinstance(item, EventBatch), item
+    return item
+
+
+def hashes(batch: EventBatch) -> list[int]:
+    return [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+
+
+# --- normal flow ---------------------------------------------------------------------------
+
+
+async def test_connect_mode_delivers_batches_in_order_with_stats() -> None:
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
+        async with running(source):
+            assert stats.ready
+            await pub.wait_for_subscriber()
+            pub.publish(payload(11, 12))
+            pub.publish(encode_vllm_batch([BlockRemoved((11,), medium="GPU")], ts=2.0))
+            pub.publish(payload(13, version="0.22"))  # legacy array events, same source
+            b0, b1, b2 = (await get_batch(queue), await get_batch(queue), await get_batch(queue))
+        assert [b.seq for b in (b0, b1, b2)] == [0, 1, 2]
+        assert hashes(b0) == [11, 12]
+        assert b1.events == (BlockRemoved((11,), medium="GPU"),)
+        assert hashes(b2) == [13]
+        assert b0.dp_rank == 0
+        assert stats.batches_received == 3
+        assert stats.events_received == 4
+        assert stats.events_decoded == 4
+        assert stats.last_event_at is not None
+        assert stats.gaps == 0 and not stats.clears
+        assert queue.empty()
+
+
+async def test_bind_mode_with_topic_filter_and_sglang() -> None:
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="sglang")
+    source = ZmqSource(config(engine=Engine.SGLANG, zmq_topic="kv@pod-1"), queue, stats)
+    async with running(source):
+        assert source.endpoint is not None
+        assert source.endpoint.startswith("tcp://127.0.0.1:")
+        assert not source.endpoint.endswith(":0")
+        async with SimPublisher(source.endpoint, mode="connect", topic="kv@pod-1@model") as pub:
+            await pub.wait_for_subscriber()
+            # The SUB's topic filter (a byte prefix) reached the publisher.
+            assert pub.subscriptions == [b"\x01kv@pod-1"]
+            batch = encode_sglang_batch(
+                [BlockStored((2**64 - 5,), None, array("I", [1, 2]), 2, medium="GPU")], ts=1.0
+            )
+            pub.publish(batch)
+            got = await get_batch(queue)
+    assert hashes(got) == [2**64 - 5]  # signed int64 on the wire, u64 in the model
+    assert stats.batches_received == 1
+
+
+async def test_cancel_closes_sockets_and_frees_the_bound_port() -> None:
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(10)
+    first = ZmqSource(config(), queue, SourceStats(engine="vllm"))
+    async with running(first):
+        endpoint = first.endpoint
+    assert endpoint is not None
+    second = ZmqSource(config(zmq_endpoint=endpoint), queue, SourceStats(engine="vllm"))
+    async with running(second):
+        assert second.endpoint == endpoint
+
+
+def test_constructor_rejects_a_non_zmq_source() -> None:
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(10)
+    with pytest.raises(ValueError, match="vllm/sglang"):
+        ZmqSource(config(engine=Engine.TRTLLM), queue, SourceStats(engine="trtllm"))
+    with pytest.raises(ValueError, match="zmq_endpoint"):
+        ZmqSource(config(zmq_endpoint=None), queue, SourceStats(engine="vllm"))
+
+
+# --- gaps, replay, restart -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["topic", "no_topic"])
+@pytest.mark.parametrize("mode", ["connect", "bind"])
+async def test_gap_is_filled_by_replay_in_order(layout: str, mode: str) -> None:
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind", replay_endpoint="tcp://127.0.0.1:0",
+                            replay_layout=layout, topic="kv-events") as pub:  # type: ignore[arg-type]
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode=mode,
+                     zmq_endpoint=pub.endpoint if mode == "connect" else "tcp://127.0.0.1:0")
+        source = ZmqSource(cfg, queue, stats)
+        async with running(source):
+            if mode == "bind":
+                assert source.endpoint is not None
+                pub.connect(source.endpoint)
+            await pub.wait_for_subscriber()
+            pub.publish(payload(100))
+            pub.drop_next(2)  # lost on the wire, kept in the replay buffer
+            pub.publish(payload(101))
+            pub.publish(payload(102))
+            pub.publish(payload(103))  # reveals the gap
+            pub.publish(payload(104))
+            got = [await get_batch(queue) for _ in range(5)]
+        assert [b.seq for b in got] == [0, 1, 2, 3, 4]
+        assert [hashes(b) for b in got] == [[100], [101], [102], [103], [104]]
+        assert pub.replay_requests == [1]
+        assert (stats.gaps, stats.replays, stats.replay_failures) == (1, 1, 0)
+        assert not stats.clears
+        assert queue.empty()
+
+
+async def test_gap_without_replay_clears_then_applies_the_revealing_batch() -> None:
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            pub.publish(payload(1))
+            pub.drop_next(2)
+            pub.publish(payload(2))
+            pub.publish(payload(3))
+            pub.publish(payload(4))
+            items = [await get(queue) for _ in range(3)]
+    assert isinstance(items[0], EventBatch) and items[0].seq == 0
+    assert items[1] == SourceCleared(ClearReason.GAP)
+    assert isinstance(items[2], EventBatch) and items[2].seq == 3 and hashes(items[2]) == [4]
+    assert (stats.gaps, stats.replays, stats.replay_failures) == (1, 0, 0)
+    assert stats.clears == {"gap": 1}
+
+
+async def test_replay_that_starts_above_the_requested_seq_clears() -> None:
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind", replay_endpoint="tcp://127.0.0.1:0",
+                            buffer_steps=2) as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect",
+                                  replay_endpoint=pub.replay_endpoint), queue, stats)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            pub.publish(payload(1))
+            pub.drop_next(3)
+            for h in (2, 3, 4):
+                pub.publish(payload(h))  # buffer keeps only the last 2: seqs 2, 3
+            pub.publish(payload(5))  # seq 4 reveals the gap 1..3
+            items = [await get(queue) for _ in range(3)]
+        assert pub.replay_requests == [1]
+    assert [type(i).__name__ for i in items] == ["EventBatch", "SourceCleared", "EventBatch"]
+    assert items[1] == SourceCleared(ClearReason.GAP)
+    assert isinstance(items[2], EventBatch) and hashes(items[2]) == [5]
+    assert (stats.gaps, stats.replays, stats.replay_failures) == (1, 0, 1)
+
+
+async def test_replay_timeout_clears_keeps_live_batches_and_recovers() -> None:
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind", replay_endpoint="tcp://127.0.0.1:0",
+                            replay_layout="no_topic") as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect",
+                                  replay_endpoint=pub.replay_endpoint), queue, stats,
+                           replay_timeout_s=0.5)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            pub.replay_enabled = False  # a hung engine: requests are read, never answered
+            pub.publish(payload(1))
+            pub.drop_next(1)
+            pub.publish(payload(2))
+            pub.publish(payload(3))  # reveals the gap
+            pub.publish(payload(4))  # arrive while the replay waits: kept, applied after
+            pub.publish(payload(5))
+            items = [await get(queue) for _ in range(5)]
+            assert [type(i).__name__ for i in items] == [
+                "EventBatch", "SourceCleared", "EventBatch", "EventBatch", "EventBatch"]
+            assert [hashes(i) for i in items if isinstance(i, EventBatch)] == [[1], [3], [4], [5]]
+            assert stats.replay_failures == 1
+            # The abandoned DEALER was replaced: the next gap is replayed normally.
+            pub.replay_enabled = True
+            pub.drop_next(1)
+            pub.publish(payload(6))
+            pub.publish(payload(7))
+            after = [await get_batch(queue) for _ in range(2)]
+        assert [hashes(b) for b in after] == [[6], [7]]
+        assert pub.replay_requests == [1, 5]
+        assert (stats.gaps, stats.replays, stats.replay_failures) == (2, 1, 1)
+
+
+async def test_engine_restart_clears_then_applies_the_new_batch() -> None:
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind", replay_endpoint="tcp://127.0.0.1:0") as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect",
+                                  replay_endpoint=pub.replay_endpoint), queue, stats)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            for h in (1, 2, 3):
+                pub.publish(payload(h))
+            pub.restart()
+            pub.publish(payload(9))
+            pub.publish(payload(10))
+            items = [await get(queue) for _ in range(6)]
+    assert items[3] == SourceCleared(ClearReason.ENGINE_RESTART)
+    batches = [i for i in items if isinstance(i, EventBatch)]
+    assert [(b.seq, hashes(b)) for b in batches] == [(0, [1]), (1, [2]), (2, [3]), (0, [9]), (1, [10])]
+    assert stats.clears == {"engine_restart": 1}
+    assert stats.gaps == 0
+
+
+# --- malformed input -----------------------------------------------------------------------
+
+
+async def test_malformed_messages_are_counted_and_skipped() -> None:
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            pub.publish(payload(1))  # seq 0
+            pub.send_raw([b"", (1).to_bytes(8, "big")])  # 2 frames
+            pub.send_raw([b"", (1).to_bytes(8, "big"), b"x", b"y"])  # 4 frames
+            pub.send_raw([b"", b"\x00\x01", payload(7)])  # 2-byte seq
+            pub.send_raw([b"", (0).to_bytes(8, "big"), payload(8)])  # duplicate of seq 0
+            pub.publish(b"\xc1")  # seq 1: not msgpack
+            pub.publish(b"\x91\x01")  # seq 2: msgpack, not a batch
+            pub.publish(payload(2))  # seq 3: still in sequence
+            first, got = await get_batch(queue), await get_batch(queue)
+    assert (first.seq, hashes(first)) == (0, [1])
+    assert (got.seq, hashes(got)) == (3, [2])
+    assert stats.events_dropped == {
+        "bad_frame_count": 2, "bad_seq": 1, "stale_seq": 1, "invalid_msgpack": 1,
+        "malformed_batch": 1,
+    }
+    assert stats.gaps == 0 and not stats.clears
+    assert stats.batches_received == 5  # seq 0, its duplicate, seq 1, 2, 3
+    assert queue.empty()
+
+
+# --- allowed publishers (ZAP) --------------------------------------------------------------
+
+
+async def test_refused_publisher_delivers_nothing_and_is_logged_once() -> None:
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="vllm")
+    source = ZmqSource(config(allowed_publishers=("127.0.0.2",)), queue, stats)
+    with capture_logs() as logs:
+        async with running(source):
+            assert source.endpoint is not None
+            port = source.endpoint.rsplit(":", 1)[1]
+            async with (
+                SimPublisher(source.endpoint, mode="connect") as refused,
+                SimPublisher(f"tcp://127.0.0.2:0;127.0.0.1:{port}", mode="connect") as allowed,
+            ):
+                async with asyncio.timeout(TIMEOUT):
+                    await source.peer_refused.wait()
+                    source.peer_refused.clear()
+                async with SimPublisher(source.endpoint, mode="connect"):
+                    async with asyncio.timeout(TIMEOUT):
+                        await source.peer_refused.wait()  # the second 127.0.0.1 peer
+                await allowed.wait_for_subscriber()
+                refused.publish(payload(666))
+                allowed.publish(payload(1))
+                got = await get_batch(queue)
+                # The refused publisher never got a subscription: it sent nothing.
+                assert refused.subscriptions == []
+    assert hashes(got) == [1]
+    assert queue.empty()
+    assert stats.refused_publishers >= 2
+    refusals = [e for e in logs if e["event"] == "zmq_publisher_refused"]
+    assert [e["peer"] for e in refusals] == ["127.0.0.1"]
+
+
+async def test_cidr_entry_admits_the_publisher() -> None:
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="vllm")
+    source = ZmqSource(config(allowed_publishers=("10.0.0.0/8", "127.0.0.0/8")), queue, stats)
+    async with running(source):
+        assert source.endpoint is not None
+        async with SimPublisher(source.endpoint, mode="connect") as pub:
+            await pub.wait_for_subscriber()
+            pub.publish(payload(5))
+            got = await get_batch(queue)
+    assert hashes(got) == [5]
+    assert stats.refused_publishers == 0
+
+
+async def test_host_name_entry_admits_the_publisher() -> None:
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="vllm")
+    source = ZmqSource(config(allowed_publishers=("localhost",)), queue, stats)
+    async with running(source):
+        assert source.endpoint is not None
+        async with SimPublisher(source.endpoint, mode="connect") as pub:
+            await pub.wait_for_subscriber()
+            pub.publish(payload(6))
+            assert hashes(await get_batch(queue)) == [6]
+
+
+async def test_two_sources_in_one_process_each_enforce_their_own_list() -> None:
+    q_open: asyncio.Queue[SourceItem] = asyncio.Queue(10)
+    q_closed: asyncio.Queue[SourceItem] = asyncio.Queue(10)
+    open_src = ZmqSource(config(backend_name="a"), q_open, SourceStats(engine="vllm"))
+    closed_src = ZmqSource(config(backend_name="b", allowed_publishers=("192.0.2.1",)), q_closed,
+                           SourceStats(engine="vllm"))
+    async with running(open_src), running(closed_src):
+        assert open_src.endpoint is not None and closed_src.endpoint is not None
+        async with SimPublisher(open_src.endpoint, mode="connect") as pub:
+            pub.connect(closed_src.endpoint)
+            async with asyncio.timeout(TIMEOUT):
+                await closed_src.peer_refused.wait()
+            await pub.wait_for_subscriber()
+            pub.publish(payload(3))
+            assert hashes(await get_batch(q_open)) == [3]
+            assert pub.subscriptions == [b"\x01"]  # only the open source subscribed
+    assert closed_src.stats.refused_publishers >= 1
+    assert open_src.stats.refused_publishers == 0
+    assert q_closed.empty()
+
+
+# --- queue overflow ------------------------------------------------------------------------
+
+
+async def test_full_queue_drops_counts_then_clears_before_the_next_batch() -> None:
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
+        queue = ObservedQueue(maxsize=2)
+        queue.put_nowait(SourceCleared(ClearReason.SOURCE_RESTART))  # fill it ourselves
+        queue.put_nowait(SourceCleared(ClearReason.SOURCE_RESTART))
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            pub.publish(payload(1, 2, 3))
+            await queue.wait_attempts(3)  # refused: the queue is full
+            assert stats.events_dropped == {"queue_overflow": 3}
+            assert not stats.clears
+            queue.get_nowait()
+            queue.get_nowait()
+            pub.publish(payload(4))
+            first, second = await get(queue), await get_batch(queue)
+    assert first == SourceCleared(ClearReason.OVERFLOW)
+    assert hashes(second) == [4]
+    assert stats.clears == {"overflow": 1}
+    assert stats.gaps == 0  # our own loss is not an engine gap
+
+
+def test_zmq_version_supports_zap() -> None:
+    assert zmq.zmq_version_info() >= (4, 3)
