@@ -14,8 +14,9 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kv_listener.config import ListenerConfig, SourceConfig
 from kv_listener.core.eventlog import Record
-from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
+from kv_listener.core.model import Engine, PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import (
     PING,
     ControlEvent,
@@ -529,3 +530,19 @@ async def test_serve_bind_error_is_an_oserror() -> None:
         with pytest.raises(OSError):
             await serve(create_app(hub, Status(hub)), "127.0.0.1", taken.getsockname()[1])
         hub.close()
+
+
+async def test_hub_from_config_takes_limits_and_one_backend_per_source() -> None:
+    config = ListenerConfig(
+        history_size=7, max_lag=3, update_interval_s=0.5, max_sse_clients=4,
+        sources=(SourceConfig("vllm-1", Engine.VLLM, "m"),
+                 SourceConfig("trt-2", Engine.TRTLLM, "m")),
+    )
+    hub = StreamHub.from_config(config, ping_interval_s=None)
+    assert hub.backends == ["vllm-1", "trt-2"]
+    log = hub.backend("trt-2").log
+    assert (log.history_size, log.update_interval_s) == (7, 0.5)
+    assert (hub.max_lag, hub.max_sse_clients, hub.ping_interval_s) == (3, 4, None)
+    assert hub.backend("vllm-1").log.epoch != log.epoch  # per-log epochs, random
+    assert len(log.epoch) >= 8 and int(log.epoch, 16) >= 0
+    hub.close()
