@@ -1,0 +1,90 @@
+"""Cache salts (SPEC §3): the SPEC vector, exact verification, forgeries."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kv_listener.core.prefix import prefix_key
+from kv_listener.core.salt import SALT_LENGTH, SALT_PREFIX, issue_cache_salt, verify_cache_salt
+
+SECRET = b"s3cret"
+KEY = prefix_key("meta-llama/Llama-3.1-8B-Instruct", "You are a helpful assistant.", None)
+assert KEY is not None
+VECTOR = ("crs1:6b913e22b32520efcfc547b83f6b5df8c006788e9a691b16b94d3f86352e4afb:"
+          "8a12d1c171aa1fc5455355d772f847b3")
+
+
+def test_spec_vector() -> None:
+    assert issue_cache_salt(SECRET, "vllm-1", KEY) == VECTOR
+    assert len(VECTOR) == SALT_LENGTH == 102
+    assert VECTOR.startswith(SALT_PREFIX)
+
+
+def test_valid_salt_returns_key() -> None:
+    assert verify_cache_salt(SECRET, "vllm-1", VECTOR) == KEY
+
+
+def test_fits_vllm_limits() -> None:
+    # vLLM >= 0.30: at most 128 characters, none of @ / \ NUL.
+    assert len(VECTOR) <= 128
+    assert not set(VECTOR) & {"@", "/", "\\", "\x00"}
+
+
+def test_other_backend_is_rejected() -> None:
+    assert verify_cache_salt(SECRET, "vllm-2", VECTOR) is None
+
+
+def test_other_secret_is_rejected() -> None:
+    assert verify_cache_salt(b"s3cret2", "vllm-1", VECTOR) is None
+
+
+def test_forged_mac_is_rejected() -> None:
+    last = VECTOR[-1]
+    forged = VECTOR[:-1] + ("0" if last != "0" else "1")
+    assert verify_cache_salt(SECRET, "vllm-1", forged) is None
+
+
+def test_swapped_key_with_old_mac_is_rejected() -> None:
+    other = prefix_key("m", "other", None)
+    assert other is not None
+    forged = SALT_PREFIX + other.hex() + VECTOR[len(SALT_PREFIX) + 64:]
+    assert verify_cache_salt(SECRET, "vllm-1", forged) is None
+
+
+@pytest.mark.parametrize("salt", [
+    VECTOR[:-1],  # truncated
+    VECTOR + "0",  # too long
+    VECTOR.upper(),  # uppercase hex (and prefix)
+    VECTOR[:5] + VECTOR[5:].upper(),  # uppercase hex only
+    VECTOR[:-2] + "AB" if VECTOR[-2:] != "AB" else VECTOR[:-2] + "CD",
+    "crs2" + VECTOR[4:],  # wrong version
+    VECTOR[:69] + ";" + VECTOR[70:],  # wrong separator
+    VECTOR[:10] + "g" + VECTOR[11:],  # not hex
+    VECTOR[:10] + "가" + VECTOR[11:],  # non-ASCII, same length in characters
+    "",
+    "crs1:",
+])
+def test_malformed_salts_are_invalid(salt: str) -> None:
+    assert verify_cache_salt(SECRET, "vllm-1", salt) is None
+
+
+def test_non_string_is_invalid() -> None:
+    assert verify_cache_salt(SECRET, "vllm-1", None) is None  # type: ignore[arg-type]
+    assert verify_cache_salt(SECRET, "vllm-1", VECTOR.encode()) is None  # type: ignore[arg-type]
+
+
+def test_issue_rejects_a_wrong_key_length() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        issue_cache_salt(SECRET, "vllm-1", b"short")
+
+
+@given(st.binary(min_size=1, max_size=64), st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True),
+       st.binary(min_size=32, max_size=32))
+def test_round_trip_and_binding(secret: bytes, backend: str, key: bytes) -> None:
+    salt = issue_cache_salt(secret, backend, key)
+    assert len(salt) == SALT_LENGTH and salt.isascii() and salt == salt.lower()
+    assert verify_cache_salt(secret, backend, salt) == key
+    assert verify_cache_salt(secret, backend + "x", salt) is None
+    assert verify_cache_salt(secret + b"x", backend, salt) is None
