@@ -1,0 +1,642 @@
+"""KvEventConsumerManager against real servers on 127.0.0.1: a scripted aiohttp SSE server (ids,
+resync without ids, comments, control records, caps, malformed records, HTTP errors, cut
+connections) that records the Last-Event-ID of every connection, a WebSocket server, an injected
+event-bus stream, and the listener's own SSE server. Waits go through an injected sleep that
+records the delays (no real backoff waiting); conditions are awaited on queues with timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from kv_listener.core.eventlog import Record, RecordEvent
+from kv_listener.core.model import Tier
+from kv_listener.core.sse import ControlEvent, encode_control, encode_record
+from kv_listener.router.config import EventSourceConfig, Transport
+from kv_listener.router.consumer import (
+    Backoff,
+    KvEventConsumerManager,
+    NoSessionError,
+    PrefixRecord,
+)
+from kv_listener.router.metrics import RouterMetrics
+
+B = "vllm-1"
+P1 = "1" * 64
+P2 = "2" * 64
+P3 = "3" * 64
+TIMEOUT = 5.0
+MIB = 1 << 20
+
+
+def rec(event: RecordEvent, prefix: str | None = None, *, id_: str | None = None, n: int | None = None,
+        tier: Tier | None = None, backend: str = B) -> bytes:
+    """A record exactly as the listener encodes it."""
+    if event in (RecordEvent.CACHE_CREATED, RecordEvent.CACHE_OFFLOADED):
+        n = 16 if n is None else n
+        tier = tier or (Tier.GPU_HOT if event is RecordEvent.CACHE_CREATED else Tier.STORAGE_WARM)
+    return encode_record(Record(id_, event, backend, prefix, n, tier, 1764412345.123))
+
+
+def created(prefix: str, id_: str | None = None, n: int = 16) -> bytes:
+    return rec(RecordEvent.CACHE_CREATED, prefix, id_=id_, n=n)
+
+
+def cleared(id_: str | None = None) -> bytes:
+    return rec(RecordEvent.CACHE_CLEARED, id_=id_)
+
+
+DRAINING = encode_control(ControlEvent.DRAINING, B)
+OVERFLOW = encode_control(ControlEvent.BUFFER_OVERFLOW, B)
+
+
+# --- servers ------------------------------------------------------------------------------------
+
+HOLD = "hold"  # keep the stream open until the server stops
+ABORT = "abort"  # cut the TCP connection in the middle of the body
+
+
+@dataclass
+class Conn:
+    """What the server does on one connection."""
+
+    actions: list[bytes | str] = field(default_factory=list)
+    status: int = 200
+    content_type: str = "text/event-stream"
+
+
+class ScriptedServer:
+    """Serves `GET /events/{backend}` (SSE) and `/ws/{backend}` (WebSocket), one script per
+    connection in order; once the scripts run out, every connection is held open. Each
+    connection's Last-Event-ID header (None when absent) goes on `requests`."""
+
+    def __init__(self, scripts: Iterable[Conn] = ()) -> None:
+        self.scripts: deque[Conn] = deque(scripts)
+        self.requests: asyncio.Queue[str | None] = asyncio.Queue()
+        self.paths: list[str] = []
+        self.stopping = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    def url(self, path: str = f"/events/{B}", scheme: str = "http") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}{path}"
+
+    def _next(self, request: web.Request) -> Conn:
+        self.paths.append(request.path)
+        self.requests.put_nowait(request.headers.get("Last-Event-ID"))
+        return self.scripts.popleft() if self.scripts else Conn([HOLD])
+
+    async def sse(self, request: web.Request) -> web.StreamResponse:
+        script = self._next(request)
+        if script.status != 200:
+            return web.json_response({"error": "scripted"}, status=script.status)
+        resp = web.StreamResponse()
+        resp.content_type = script.content_type
+        await resp.prepare(request)
+        try:
+            for action in script.actions:
+                if action == HOLD:
+                    await self.stopping.wait()
+                elif action == ABORT:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                else:
+                    assert isinstance(action, bytes)
+                    await resp.write(action)
+            await resp.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            pass  # the consumer hung up (caps): expected
+        return resp
+
+    async def ws(self, request: web.Request) -> web.StreamResponse:
+        script = self._next(request)
+        if script.status != 200:
+            return web.json_response({"error": "scripted"}, status=script.status)
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        try:
+            for action in script.actions:
+                if action == HOLD:
+                    await self.stopping.wait()
+                else:
+                    assert isinstance(action, bytes)
+                    await ws.send_str(action.decode())
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            pass
+        await ws.close()
+        return ws
+
+    async def __aenter__(self) -> ScriptedServer:
+        app = web.Application()
+        app.router.add_get("/events/{backend}", self.sse)
+        app.router.add_get("/ws/{backend}", self.ws)
+        self.runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+        await self.runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        await web.SockSite(self.runner, sock).start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stopping.set()
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    async def next_request(self) -> str | None:
+        return await asyncio.wait_for(self.requests.get(), TIMEOUT)
+
+
+# --- consumer side helpers ----------------------------------------------------------------------
+
+
+class Applied:
+    """The `apply_record` callback: collects records, lets tests await them."""
+
+    def __init__(self) -> None:
+        self.records: list[PrefixRecord] = []
+        self.queue: asyncio.Queue[PrefixRecord] = asyncio.Queue()
+
+    async def __call__(self, record: PrefixRecord) -> None:
+        self.records.append(record)
+        self.queue.put_nowait(record)
+
+    async def next(self) -> PrefixRecord:
+        return await asyncio.wait_for(self.queue.get(), TIMEOUT)
+
+    async def take(self, n: int) -> list[PrefixRecord]:
+        return [await self.next() for _ in range(n)]
+
+
+class FakeSleep:
+    """Records the requested delays without waiting; from call `block_after` on it blocks until
+    cancelled, so a consumer that would retry forever parks there."""
+
+    def __init__(self, block_after: int = 1000) -> None:
+        self.delays: list[float] = []
+        self.queue: asyncio.Queue[float] = asyncio.Queue()
+        self.block_after = block_after
+
+    async def __call__(self, delay: float) -> None:
+        self.delays.append(delay)
+        self.queue.put_nowait(delay)
+        if len(self.delays) >= self.block_after:
+            await asyncio.Event().wait()
+        await asyncio.sleep(0)
+
+    async def wait_count(self, n: int) -> list[float]:
+        while len(self.delays) < n:
+            await asyncio.wait_for(self.queue.get(), TIMEOUT)
+        return self.delays[:n]
+
+
+def source(endpoint: str | None, *, interval_ms: int = 1000, backend: str = B,
+           transport: Transport = Transport.SSE) -> EventSourceConfig:
+    return EventSourceConfig(backend_name=backend, transport=transport, endpoint=endpoint,
+                             reconnect_interval_ms=interval_ms)
+
+
+def manager(sources: list[EventSourceConfig], applied: Callable[[PrefixRecord], Awaitable[None]],
+            sleep: FakeSleep, **kwargs: Any) -> KvEventConsumerManager:
+    return KvEventConsumerManager(sources, applied, sleep=sleep, clock=lambda: 1000.0, **kwargs)
+
+
+class WatchedMetrics(RouterMetrics):
+    """The real router metrics, plus a queue of connected-gauge changes tests can await."""
+
+    def __init__(self, registry: CollectorRegistry, backends: Iterable[str]) -> None:
+        super().__init__(registry, backends)
+        self.changes: asyncio.Queue[tuple[str, bool]] = asyncio.Queue()
+
+    def set_connected(self, backend: str, connected: bool) -> None:
+        super().set_connected(backend, connected)
+        self.changes.put_nowait((backend, connected))
+
+    async def wait_connected(self, backend: str = B) -> None:
+        async with asyncio.timeout(TIMEOUT):
+            while await self.changes.get() != (backend, True):
+                pass
+
+
+# --- SSE over HTTP ------------------------------------------------------------------------------
+
+
+async def test_records_applied_in_order_and_resumed_with_last_id() -> None:
+    first = Conn([
+        b": ping\n\n",
+        # resync: cleared + snapshot without ids, the last one carries the newest ID
+        cleared(), created(P1), rec(RecordEvent.CACHE_OFFLOADED, P2, n=32, id_="ep-3"),
+        b": ping\n\n",
+        created(P3, "ep-4", n=48),
+        rec(RecordEvent.CACHE_EVICTED, P1, id_="ep-5"),
+    ])
+    async with ScriptedServer([first]) as server:
+        applied, sleep = Applied(), FakeSleep()
+        registry = CollectorRegistry()
+        metrics = WatchedMetrics(registry, [B])
+        async with manager([source(server.url())], applied, sleep, metrics=metrics) as m:
+            assert await server.next_request() is None  # a new consumer: no Last-Event-ID
+            await metrics.wait_connected()
+            got = await applied.take(5)
+            assert [(r.event, r.prefix_hash, r.token_count, r.tier, r.id) for r in got] == [
+                (RecordEvent.CACHE_CLEARED, None, None, None, None),
+                (RecordEvent.CACHE_CREATED, P1, 16, Tier.GPU_HOT, None),
+                (RecordEvent.CACHE_OFFLOADED, P2, 32, Tier.STORAGE_WARM, "ep-3"),
+                (RecordEvent.CACHE_CREATED, P3, 48, Tier.GPU_HOT, "ep-4"),
+                (RecordEvent.CACHE_EVICTED, P1, None, None, "ep-5"),
+            ]
+            assert all(r.backend == B and r.ts == 1764412345.123 for r in got)
+            # the stream ended cleanly: reconnect after the (reset) backoff, resuming at ep-5
+            assert await server.next_request() == "ep-5"
+            assert sleep.delays == [1.0]
+            await metrics.wait_connected()
+            assert registry.get_sample_value("continuum_kv_consumer_connected", {"backend": B}) == 1
+            s = m.stats()[B]
+            assert (s["received"], s["applied"], s["dropped"], s["last_event_id"]) == (5, 5, {}, "ep-5")
+            assert (s["reconnect_count"], s["connections"], s["last_event_at"]) == (1, 2, 1000.0)
+            assert s["ended"] == {"stream_ended": 1}
+        assert registry.get_sample_value("continuum_kv_consumer_connected", {"backend": B}) == 0
+
+
+async def test_resync_cut_in_the_middle_keeps_the_old_id() -> None:
+    scripts = [
+        Conn([created(P1, "ep-7")]),
+        # a resync (unknown epoch) cut before its last, numbered record
+        Conn([cleared(), created(P2)]),
+        Conn([cleared(), created(P2), created(P3, "new-9")]),
+    ]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        async with manager([source(server.url())], applied, sleep):
+            assert await server.next_request() is None
+            assert await server.next_request() == "ep-7"
+            assert await server.next_request() == "ep-7"  # no id: lines -> still the old ID
+            assert await server.next_request() == "new-9"
+            assert len(applied.records) == 6
+
+
+async def test_event_type_comes_from_the_sse_field_else_the_json_body() -> None:
+    body_only = json.dumps({"event": "cache_created", "backend": B, "prefix_hash": P1,
+                            "token_count": 8, "tier": "gpu_hot", "ts": 1.5})
+    # The SSE field wins over a body that says something else.
+    evicted_by_field = json.dumps({"event": "cache_created", "backend": B, "prefix_hash": P2,
+                                   "token_count": 8})
+    scripts = [Conn([
+        f"id: a-1\ndata: {body_only}\n\n".encode(),
+        f"id: a-2\r\nevent: cache_evicted\r\ndata: {evicted_by_field}\r\n\r\n".encode(),
+        # no tier: derived from the event
+        f'event: cache_offloaded\ndata: {{"prefix_hash":"{P3}","token_count":4}}\n\n'.encode(),
+        HOLD,
+    ])]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        async with manager([source(server.url())], applied, sleep) as m:
+            got = await applied.take(3)
+            assert [(r.event, r.prefix_hash, r.token_count, r.tier, r.id, r.ts) for r in got] == [
+                (RecordEvent.CACHE_CREATED, P1, 8, Tier.GPU_HOT, "a-1", 1.5),
+                (RecordEvent.CACHE_EVICTED, P2, None, None, "a-2", None),
+                (RecordEvent.CACHE_OFFLOADED, P3, 4, Tier.STORAGE_WARM, None, None),
+            ]
+            assert m.stats()[B]["last_event_id"] == "a-2"
+            assert got[0].as_dict() == {"event": "cache_created", "backend": B, "prefix_hash": P1,
+                                        "token_count": 8, "tier": "gpu_hot", "ts": 1.5, "id": "a-1"}
+
+
+async def test_bad_records_are_counted_drops_and_the_stream_goes_on() -> None:
+    def data(**fields: Any) -> bytes:
+        return f"event: cache_created\ndata: {json.dumps(fields)}\n\n".encode()
+
+    bad = [
+        b"event: cache_created\ndata: {not json\n\n",  # malformed_json
+        b"event: cache_created\ndata: [1, 2]\n\n",  # malformed_json (not an object)
+        b'event: cache_exploded\ndata: {"backend": "vllm-1"}\n\n',  # unknown_event
+        b'data: {"backend": "vllm-1"}\n\n',  # unknown_event (no type anywhere)
+        data(backend=B, prefix_hash="AB" * 32, token_count=1),  # invalid_field
+        data(backend=B, prefix_hash=P1, token_count=-1),  # invalid_field
+        data(backend=B, prefix_hash=P1, token_count=True),  # invalid_field
+        data(backend=B, prefix_hash=P1, token_count=1, tier="lukewarm"),  # invalid_field
+        data(backend="vllm-2", prefix_hash=P1, token_count=1),  # backend_mismatch
+    ]
+    scripts = [Conn([*bad, created(P2, "b-1"), HOLD])]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        registry = CollectorRegistry()
+        async with manager([source(server.url())], applied, sleep,
+                           metrics=RouterMetrics(registry, [B])) as m:
+            good = await applied.next()
+            assert (good.prefix_hash, good.id) == (P2, "b-1")
+            s = m.stats()[B]
+            assert s["dropped"] == {"malformed_json": 2, "unknown_event": 2, "invalid_field": 4,
+                                    "backend_mismatch": 1}
+            assert (s["received"], s["applied"], s["connections"], s["connected"]) == (10, 1, 1, True)
+
+            def dropped(reason: str) -> float | None:
+                return registry.get_sample_value("continuum_kv_event_dropped_total",
+                                                 {"backend": B, "reason": reason})
+
+            assert (dropped("malformed_json"), dropped("invalid_field")) == (2, 4)
+            assert sleep.delays == []  # nothing of this closed the stream
+
+
+async def test_apply_errors_are_counted_as_index_errors() -> None:
+    calls: list[PrefixRecord] = []
+    done = asyncio.Event()
+
+    async def failing(record: PrefixRecord) -> None:
+        calls.append(record)
+        if len(calls) == 2:
+            done.set()
+        if record.prefix_hash == P1:
+            raise ConnectionError("index down")
+
+    async with ScriptedServer([Conn([created(P1, "c-1"), created(P2, "c-2"), HOLD])]) as server:
+        sleep = FakeSleep()
+        async with manager([source(server.url())], failing, sleep) as m:
+            await asyncio.wait_for(done.wait(), TIMEOUT)
+            # the consumer records the outcome before it next yields to the loop
+            s = m.stats()[B]
+            assert s["last_event_id"] == "c-2"
+            assert (s["dropped"], s["applied"]) == ({"index_error": 1}, 1)
+
+
+async def test_draining_reconnects_at_once_with_the_last_id() -> None:
+    scripts = [Conn([created(P1, "d-1"), DRAINING, created(P2, "d-2")]),
+               Conn([DRAINING]),  # drains again without delivering anything: back off now
+               Conn([created(P3, "d-3"), HOLD])]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        async with manager([source(server.url())], applied, sleep) as m:
+            assert await server.next_request() is None
+            assert await server.next_request() == "d-1"  # the record after draining is ignored
+            assert await server.next_request() == "d-1"
+            # one wait for two reconnects: none after the planned restart, the backoff after
+            # the second drain that delivered nothing
+            assert sleep.delays == [1.0]
+            assert [r.id for r in await applied.take(2)] == ["d-1", "d-3"]
+            assert m.stats()[B]["ended"] == {"draining": 2}
+
+
+async def test_buffer_overflow_resumes_after_backoff() -> None:
+    scripts = [Conn([created(P1, "o-1"), OVERFLOW]), Conn([OVERFLOW])]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        async with manager([source(server.url(), interval_ms=500)], applied, sleep) as m:
+            assert await server.next_request() is None
+            assert await server.next_request() == "o-1"
+            assert await server.next_request() == "o-1"
+            # reset after the healthy first connection, then doubling for the empty second
+            assert sleep.delays == [0.5, 1.0]
+            assert m.stats()[B]["ended"] == {"buffer_overflow": 2}
+
+
+@pytest.mark.parametrize("oversized", [
+    pytest.param([b"data: " + b"x" * (MIB + 1)], id="line-without-end"),
+    pytest.param([b"event: cache_created\n", *[b"data: " + b"y" * (MIB // 2) + b"\n"] * 3],
+                 id="data-of-one-record"),
+])
+async def test_oversized_line_or_data_closes_backs_off_and_resumes(oversized: list[bytes]) -> None:
+    scripts = [Conn([created(P1, "x-1"), *oversized, created(P2, "x-2"), HOLD])]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        async with manager([source(server.url())], applied, sleep) as m:
+            assert await server.next_request() is None
+            assert (await applied.next()).id == "x-1"
+            assert await server.next_request() == "x-1"
+            s = m.stats()[B]
+            assert s["dropped"] == {"oversized": 1}
+            assert s["ended"] == {"oversized": 1}
+            assert s["last_error"].startswith("oversized: SSE ")
+            assert sleep.delays == [1.0]
+            assert [r.id for r in applied.records] == ["x-1"]  # x-2 came after the cut
+
+
+async def test_record_exactly_at_the_caps_is_accepted() -> None:
+    # A 1 MiB data line (with its "data: " field name it is the longest line allowed, too).
+    payload = json.dumps({"event": "cache_created", "backend": B, "prefix_hash": P1,
+                          "token_count": 1, "pad": ""})
+    pad = MIB - len(payload) - len(b"data: ")
+    padded = payload[:-2] + "x" * pad + '"}'
+    line = b"data: " + padded.encode()
+    assert len(line) == MIB
+    async with ScriptedServer([Conn([line + b"\n\n", HOLD])]) as server:
+        applied, sleep = Applied(), FakeSleep()
+        async with manager([source(server.url())], applied, sleep) as m:
+            assert (await applied.next()).prefix_hash == P1
+            assert m.stats()[B]["dropped"] == {}
+
+
+async def test_backoff_doubles_to_the_cap_on_404() -> None:
+    async with ScriptedServer([Conn(status=404)] * 12) as server:
+        applied, sleep = Applied(), FakeSleep(block_after=9)
+        registry = CollectorRegistry()
+        async with manager([source(server.url())], applied, sleep,
+                           metrics=RouterMetrics(registry, [B])) as m:
+            assert await sleep.wait_count(9) == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+            s = m.stats()[B]
+            assert (s["connected"], s["connections"], s["reconnect_count"]) == (False, 0, 8)
+            assert s["last_error"] == "http_404: HTTP 404"
+            assert s["ended"] == {"http_404": 9}
+            assert registry.get_sample_value("continuum_kv_consumer_connected", {"backend": B}) == 0
+
+
+async def test_backoff_resets_after_a_healthy_connection() -> None:
+    scripts = [Conn(status=404), Conn(status=503), Conn([created(P1, "h-1")]),
+               Conn(status=500), Conn(content_type="text/html"), Conn([ABORT])]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        async with manager([source(server.url())], applied, sleep) as m:
+            for expected in [None, None, None, "h-1", "h-1", "h-1", "h-1"]:
+                assert await server.next_request() == expected
+            assert sleep.delays == [1, 2, 1, 2, 4, 8]
+            assert m.stats()[B]["ended"] == {"http_404": 1, "http_status": 2, "stream_ended": 2,
+                                             "bad_content_type": 1}
+
+
+def test_backoff_cap_is_the_interval_when_above_60_s() -> None:
+    b = Backoff(90.0)
+    assert [b.next_delay() for _ in range(3)] == [90.0, 90.0, 90.0]
+    b = Backoff(0.01)
+    assert [b.next_delay() for _ in range(15)][-3:] == [40.96, 60.0, 60.0]
+    b.reset()
+    assert b.next_delay() == 0.01
+
+
+async def test_connection_refused_backs_off() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    applied, sleep = Applied(), FakeSleep(block_after=3)
+    async with manager([source(f"http://127.0.0.1:{port}/events/{B}")], applied, sleep) as m:
+        assert await sleep.wait_count(3) == [1, 2, 4]
+        assert m.stats()[B]["ended"] == {"connect_error": 3}
+        assert m.stats()[B]["last_error"].startswith("connect_error: ")
+
+
+# --- WebSocket ----------------------------------------------------------------------------------
+
+
+async def test_websocket_one_record_per_message() -> None:
+    scripts = [
+        Conn([created(P1, "w-1").rstrip(b"\n"),  # no blank line: the message boundary ends it
+              b": ping",
+              b"event: cache_created\ndata: {oops\n\n",
+              rec(RecordEvent.CACHE_EVICTED, P1, id_="w-2")]),
+        Conn([created(P2, "w-3"), DRAINING]),
+        Conn([b"data: " + b"z" * (2 * MIB + 10)]),  # over the message cap
+        Conn([HOLD]),
+    ]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        url = server.url(f"/ws/{B}", scheme="ws")
+        async with manager([source(url)], applied, sleep) as m:
+            assert await server.next_request() is None
+            assert await server.next_request() == "w-2"  # closed by the server: resume
+            assert await server.next_request() == "w-3"  # draining: at once
+            assert await server.next_request() == "w-3"  # oversized: after backoff
+            assert [(r.event, r.id) for r in applied.records] == [
+                (RecordEvent.CACHE_CREATED, "w-1"), (RecordEvent.CACHE_EVICTED, "w-2"),
+                (RecordEvent.CACHE_CREATED, "w-3")]
+            s = m.stats()[B]
+            assert s["dropped"] == {"malformed_json": 1, "oversized": 1}
+            assert s["ended"] == {"stream_ended": 1, "draining": 1, "oversized": 1}
+            assert sleep.delays == [1.0, 1.0]
+            assert server.paths == [f"/ws/{B}"] * 4
+
+
+async def test_websocket_handshake_404_backs_off() -> None:
+    async with ScriptedServer([Conn(status=404)] * 3) as server:
+        applied, sleep = Applied(), FakeSleep(block_after=2)
+        async with manager([source(server.url(f"/ws/{B}", scheme="ws"))], applied, sleep) as m:
+            assert await sleep.wait_count(2) == [1.0, 2.0]
+            assert m.stats()[B]["ended"] == {"http_404": 2}
+
+
+# --- event bus ----------------------------------------------------------------------------------
+
+
+async def test_event_bus_retries_no_session_without_backoff_and_resumes() -> None:
+    calls: list[tuple[str, str | None]] = []
+    call_queue: asyncio.Queue[int] = asyncio.Queue()
+    body = cleared() + created(P1, "bus-1") + b": ping\n\n" + created(P2, "bus-2")
+
+    async def chunks(data: bytes) -> AsyncIterator[bytes]:
+        for i in range(len(data)):  # one byte at a time: the parser is incremental
+            yield data[i:i + 1]
+
+    async def vanished() -> AsyncIterator[bytes]:
+        raise NoSessionError(B)
+        yield b""  # pragma: no cover - makes this an async generator
+
+    async def held() -> AsyncIterator[bytes]:
+        yield created(P3, "bus-3")
+        await asyncio.Event().wait()
+
+    def open_announced_stream(backend: str, last_event_id: str | None) -> AsyncIterator[bytes]:
+        calls.append((backend, last_event_id))
+        call_queue.put_nowait(len(calls))
+        n = len(calls)
+        if n <= 3:
+            raise NoSessionError(backend)
+        if n == 4:
+            return chunks(body)
+        if n == 5:
+            return vanished()
+        return held()
+
+    applied, sleep = Applied(), FakeSleep()
+    registry = CollectorRegistry()
+    cfg = source(None, interval_ms=250, transport=Transport.EVENT_BUS)
+    async with manager([cfg], applied, sleep, open_announced_stream=open_announced_stream,
+                       metrics=RouterMetrics(registry, [B])) as m:
+        assert [r.id for r in await applied.take(4)] == [None, "bus-1", "bus-2", "bus-3"]
+        assert m.stats()[B]["connected"]  # set on the stream's first bytes, before its records
+        assert calls == [(B, None)] * 4 + [(B, "bus-2")] * 2
+        # no_session: every reconnect_interval, never doubled; after the stream ended: reset
+        assert sleep.delays == [0.25] * 5
+        s = m.stats()[B]
+        assert s["ended"] == {"no_session": 4, "stream_ended": 1}
+        assert s["reconnect_count"] == 1  # no_session polls are not reconnects
+        assert registry.get_sample_value("continuum_kv_consumer_connected", {"backend": B}) == 1
+
+
+async def test_event_bus_without_a_bus_waits_for_one() -> None:
+    applied, sleep = Applied(), FakeSleep(block_after=2)
+    cfg = source(None, interval_ms=100, transport=Transport.EVENT_BUS)
+    async with manager([cfg], applied, sleep) as m:
+        assert await sleep.wait_count(2) == [0.1, 0.1]
+        assert m.stats()[B]["last_error"] == "no_session: no event bus configured"
+
+
+async def test_a_failing_bus_stream_is_an_error_not_a_crash() -> None:
+    attempts = 0
+
+    def broken(backend: str, last_event_id: str | None) -> AsyncIterator[bytes]:
+        nonlocal attempts
+        attempts += 1
+        raise RuntimeError("bus bug")
+
+    applied, sleep = Applied(), FakeSleep(block_after=3)
+    cfg = source(None, transport=Transport.EVENT_BUS)
+    async with manager([cfg], applied, sleep, open_announced_stream=broken) as m:
+        assert await sleep.wait_count(3) == [1, 2, 4]
+        assert attempts == 3
+        assert m.stats()[B]["last_error"] == "error: RuntimeError"
+
+
+# --- several sources, reload --------------------------------------------------------------------
+
+
+async def test_sources_run_independently_and_reload_adds_removes_restarts() -> None:
+    scripts = [Conn([created(P1, "r-1"), HOLD]),
+               Conn([rec(RecordEvent.CACHE_CREATED, P2, id_="s-1", backend="vllm-2"), HOLD]),
+               Conn([created(P3, "r-2"), HOLD])]
+    async with ScriptedServer(scripts) as server:
+        applied, sleep = Applied(), FakeSleep()
+        a = source(server.url(f"/events/{B}"))
+        b = source(server.url("/events/vllm-2"), backend="vllm-2")
+        async with manager([a], applied, sleep) as m:
+            assert await server.next_request() is None
+            assert ((r := await applied.next()).backend, r.id) == (B, "r-1")
+
+            result = await m.reload([b])
+            assert (result.added, result.removed, result.restarted) == (("vllm-2",), (B,), ())
+            assert m.backends == ["vllm-2"]
+            assert await server.next_request() is None
+            assert ((r := await applied.next()).backend, r.id) == ("vllm-2", "s-1")
+
+            m.add_source(a)  # removed before: starts afresh, without an ID
+            with pytest.raises(ValueError, match="already exists"):
+                m.add_source(a)
+            assert await server.next_request() is None
+            assert ((r := await applied.next()).backend, r.id) == (B, "r-2")
+
+            # same endpoint, other interval: restarted, resuming from its last ID; b untouched
+            result = await m.reload([source(a.endpoint, interval_ms=2000), b])
+            assert (result.added, result.removed, result.restarted) == ((), (), (B,))
+            assert await server.next_request() == "r-2"
+            assert m.stats()["vllm-2"]["connections"] == 1
+            assert m.stats()[B]["connections"] == 2
+
+            assert await m.remove_source("vllm-2") is True
+            assert await m.remove_source("vllm-2") is False
+            assert set(m.stats()) == {B}
+        assert server.paths == [f"/events/{B}", "/events/vllm-2", f"/events/{B}", f"/events/{B}"]
+
+
+def test_duplicate_sources_are_refused() -> None:
+    async def noop(record: PrefixRecord) -> None:
+        return None
+
+    with pytest.raises(ValueError, match="duplicate"):
+        KvEventConsumerManager([source("http://x/events/a"), source("http://y/events/a")], noop)
