@@ -10,7 +10,7 @@ import asyncio
 import json
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,16 +19,20 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kv_listener.core.eventlog import Record, RecordEvent
-from kv_listener.core.model import Tier
+from kv_listener.core.eventlog import Record, RecordEvent, parse_event_id
+from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import ControlEvent, encode_control, encode_record
+from kv_listener.outputs.sse_server import create_app, serve
+from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.consumer import (
     Backoff,
     KvEventConsumerManager,
     NoSessionError,
     PrefixRecord,
+    index_applier,
 )
+from kv_listener.router.index import Holder, InMemoryKvIndex
 from kv_listener.router.metrics import RouterMetrics
 
 B = "vllm-1"
@@ -640,3 +644,85 @@ def test_duplicate_sources_are_refused() -> None:
 
     with pytest.raises(ValueError, match="duplicate"):
         KvEventConsumerManager([source("http://x/events/a"), source("http://y/events/a")], noop)
+
+
+# --- the listener's own SSE server ---------------------------------------------------------------
+
+
+class NoSources:
+    """ListenerStatus of a listener whose sources are not under test here."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+
+    def not_ready(self) -> Sequence[str]:
+        return []
+
+    def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
+        return {}
+
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.registry
+
+
+def transition(i: int, n: int = 16) -> PrefixTransition:
+    return PrefixTransition(TransitionKind.CREATED, f"{i:064x}", n, Tier.GPU_HOT)
+
+
+async def test_against_the_listener_sse_server_into_a_real_index() -> None:
+    """Resync, live records, a buffer_overflow resumed from the history without gap or duplicate,
+    and a backend re-created under a new epoch (draining, then a resync that clears the index)."""
+    hub = StreamHub(history_size=100, max_lag=5, update_interval_s=0.05, max_sse_clients=4)
+    hub.add_backend(B)
+    hub.publish(B, [transition(1), transition(2, 32)])
+    server = await serve(create_app(hub, NoSources()), "127.0.0.1", 0, graceful_timeout_s=1)
+    index = InMemoryKvIndex()
+    applied = Applied()
+    into_index = index_applier(index)
+
+    async def apply(record: PrefixRecord) -> None:
+        await into_index(record)
+        await applied(record)
+
+    sleep = FakeSleep()
+    metrics = WatchedMetrics(CollectorRegistry(), [B])
+    endpoint = f"http://127.0.0.1:{server.port}/events/{B}"
+    try:
+        async with manager([source(endpoint)], apply, sleep, metrics=metrics) as m:
+            resync = await applied.take(3)
+            epoch = hub.backend(B).log.epoch
+            assert [(r.event, r.id) for r in resync] == [
+                (RecordEvent.CACHE_CLEARED, None), (RecordEvent.CACHE_CREATED, None),
+                (RecordEvent.CACHE_CREATED, f"{epoch}-2")]
+            assert await index.query(f"{2:064x}") == [Holder(B, 32, Tier.GPU_HOT)]
+
+            hub.publish(B, [transition(3)])  # live
+            assert (await applied.next()).id == f"{epoch}-3"
+
+            # One batch larger than max_lag: this consumer is cut off with buffer_overflow and
+            # resumes from epoch-3 out of the history.
+            hub.publish(B, [transition(i) for i in range(10, 20)])
+            replayed = await applied.take(10)
+            assert [parse_event_id(r.id or "") for r in replayed] == [
+                (epoch, seq) for seq in range(4, 14)]
+            assert [r.prefix_hash for r in replayed] == [f"{i:064x}" for i in range(10, 20)]
+            assert m.stats()[B]["ended"] == {"buffer_overflow": 1}
+            assert hub.stats()[B]["resumes"] == 1
+            assert sleep.delays == [1.0]
+
+            # The backend is re-created (new epoch): its stream drains, the consumer comes back
+            # at once with its old ID, gets a resync and the index forgets the old prefixes.
+            hub.remove_backend(B)
+            hub.add_backend(B)
+            new_epoch = hub.backend(B).log.epoch
+            again = await applied.next()
+            assert (again.event, again.id) == (RecordEvent.CACHE_CLEARED, f"{new_epoch}-0")
+            assert await index.query(f"{2:064x}") == []
+            assert sleep.delays == [1.0]  # the planned restart did not wait
+            s = m.stats()[B]
+            assert s["ended"] == {"buffer_overflow": 1, "draining": 1}
+            assert (s["last_event_id"], s["dropped"], s["connected"]) == (f"{new_epoch}-0", {}, True)
+    finally:
+        await hub.drain(timeout_s=1)
+        await server.stop()
+        hub.close()

@@ -43,6 +43,7 @@ from kv_listener.core.eventlog import RecordEvent
 from kv_listener.core.model import Tier
 from kv_listener.core.sse import MAX_DATA_BYTES, MAX_LINE_BYTES, ControlEvent, SseError, SseEvent, SseParser
 from kv_listener.router.config import EventSourceConfig, Transport
+from kv_listener.router.index import IndexEvent, KvIndex, PrefixEventType
 from kv_listener.router.metrics import EventDropReason
 
 log = structlog.get_logger(__name__)
@@ -191,6 +192,20 @@ def decode_record(backend: str, event: SseEvent) -> PrefixRecord | ControlEvent:
         except ValueError:
             raise RecordDropped(EventDropReason.INVALID_FIELD, "unknown tier") from None
     return PrefixRecord(kind, backend, prefix_hash, token_count, tier, ts, event.id)
+
+
+def index_applier(index: KvIndex) -> ApplyRecord:
+    """The usual `apply_record`: each record becomes an `IndexEvent` applied to `index`."""
+
+    async def apply(record: PrefixRecord) -> None:
+        await index.apply(IndexEvent(
+            type=PrefixEventType(record.event.value), backend=record.backend,
+            prefix_hash=record.prefix_hash,
+            # token_count is absent only where the tier rule does not read it (evicted, cleared)
+            token_count=record.token_count or 0,
+        ))
+
+    return apply
 
 
 class Backoff:
