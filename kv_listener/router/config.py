@@ -495,8 +495,6 @@ def parse_router_config(raw: Any) -> RouterConfig:
     # Cross-block rules.
     if kv.backend is IndexBackend.REDIS and redis is None:
         r.error("kv_cache_index.backend", "is redis but response_cache.redis is not configured")
-    if kv.backend is IndexBackend.MEMORY and redis is not None:
-        r.warn("response_cache.redis", "is ignored: kv_cache_index.backend is memory")
     announced = {name for b in bus.brokers if b.role is BrokerRole.KV_LISTENER for name in b.backends}
     bus_sources = 0
     for i, src in enumerate(kv.event_sources):
