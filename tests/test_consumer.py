@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,8 +17,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+import trustme
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from kv_listener.core.eventlog import Record, RecordEvent, parse_event_id
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
@@ -84,8 +87,9 @@ class ScriptedServer:
     connection in order; once the scripts run out, every connection is held open. Each
     connection's Last-Event-ID header (None when absent) goes on `requests`."""
 
-    def __init__(self, scripts: Iterable[Conn] = ()) -> None:
+    def __init__(self, scripts: Iterable[Conn] = (), ssl_context: ssl.SSLContext | None = None) -> None:
         self.scripts: deque[Conn] = deque(scripts)
+        self.ssl_context = ssl_context
         self.requests: asyncio.Queue[str | None] = asyncio.Queue()
         self.paths: list[str] = []
         self.stopping = asyncio.Event()
@@ -150,7 +154,7 @@ class ScriptedServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        await web.SockSite(self.runner, sock).start()
+        await web.SockSite(self.runner, sock, ssl_context=self.ssl_context).start()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -336,21 +340,27 @@ async def test_bad_records_are_counted_drops_and_the_stream_goes_on() -> None:
     async with ScriptedServer(scripts) as server:
         applied, sleep = Applied(), FakeSleep()
         registry = CollectorRegistry()
-        async with manager([source(server.url())], applied, sleep,
-                           metrics=RouterMetrics(registry, [B])) as m:
-            good = await applied.next()
-            assert (good.prefix_hash, good.id) == (P2, "b-1")
-            s = m.stats()[B]
-            assert s["dropped"] == {"malformed_json": 2, "unknown_event": 2, "invalid_field": 4,
-                                    "backend_mismatch": 1}
-            assert (s["received"], s["applied"], s["connections"], s["connected"]) == (10, 1, 1, True)
+        with capture_logs() as logs:
+            async with manager([source(server.url())], applied, sleep,
+                               metrics=RouterMetrics(registry, [B])) as m:
+                good = await applied.next()
+                s = m.stats()[B]
+        # a flood is counted, not logged: one warning per reason per connection
+        dropped_logs = [e for e in logs if e["event"] == "kv_event_dropped"]
+        assert sorted(e["reason"] for e in dropped_logs) == [
+            "backend_mismatch", "invalid_field", "malformed_json", "unknown_event"]
+        assert all(e["log_level"] == "warning" and e["backend"] == B for e in dropped_logs)
+        assert (good.prefix_hash, good.id) == (P2, "b-1")
+        assert s["dropped"] == {"malformed_json": 2, "unknown_event": 2, "invalid_field": 4,
+                                "backend_mismatch": 1}
+        assert (s["received"], s["applied"], s["connections"], s["connected"]) == (10, 1, 1, True)
 
-            def dropped(reason: str) -> float | None:
-                return registry.get_sample_value("continuum_kv_event_dropped_total",
-                                                 {"backend": B, "reason": reason})
+        def dropped(reason: str) -> float | None:
+            return registry.get_sample_value("continuum_kv_event_dropped_total",
+                                             {"backend": B, "reason": reason})
 
-            assert (dropped("malformed_json"), dropped("invalid_field")) == (2, 4)
-            assert sleep.delays == []  # nothing of this closed the stream
+        assert (dropped("malformed_json"), dropped("invalid_field")) == (2, 4)
+        assert sleep.delays == []  # nothing of this closed the stream
 
 
 async def test_apply_errors_are_counted_as_index_errors() -> None:
@@ -524,6 +534,42 @@ async def test_websocket_handshake_404_backs_off() -> None:
         async with manager([source(server.url(f"/ws/{B}", scheme="ws"))], applied, sleep) as m:
             assert await sleep.wait_count(2) == [1.0, 2.0]
             assert m.stats()[B]["ended"] == {"http_404": 2}
+
+
+# --- TLS ----------------------------------------------------------------------------------------
+
+
+async def test_https_and_wss_verify_the_listener_certificate() -> None:
+    ca, rogue = trustme.CA(), trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    rogue_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    rogue.issue_cert("127.0.0.1").configure_cert(rogue_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+
+    def anonymous(prefix: str, id_: str) -> bytes:  # no backend field: fits either source
+        data = json.dumps({"prefix_hash": prefix, "token_count": 1})
+        return f"id: {id_}\nevent: cache_created\ndata: {data}\n\n".encode()
+
+    scripts = [Conn([anonymous(P1, "t-1"), HOLD]), Conn([anonymous(P2, "t-2"), HOLD])]
+    async with ScriptedServer(scripts, ssl_context=server_ctx) as server:
+        applied, sleep = Applied(), FakeSleep()
+        sources = [source(server.url(f"/events/{B}", scheme="https")),
+                   source(server.url("/ws/vllm-2", scheme="wss"), backend="vllm-2")]
+        async with manager(sources, applied, sleep, ssl_context=client_ctx) as m:
+            got = await applied.take(2)
+            assert {r.backend for r in got} == {B, "vllm-2"}
+            assert {r.id for r in got} == {"t-1", "t-2"}
+            assert sorted(server.paths) == [f"/events/{B}", "/ws/vllm-2"]
+            assert all(s["connected"] for s in m.stats().values())
+    async with ScriptedServer([Conn([created(P1, "t-1"), HOLD])], ssl_context=rogue_ctx) as server:
+        applied, sleep = Applied(), FakeSleep(block_after=1)
+        async with manager([source(server.url(scheme="https"))], applied, sleep,
+                           ssl_context=client_ctx) as m:
+            await sleep.wait_count(1)
+            assert m.stats()[B]["last_error"].startswith("connect_error: ")
+            assert server.paths == []  # the handshake failed before any request
 
 
 # --- event bus ----------------------------------------------------------------------------------
