@@ -1,0 +1,165 @@
+"""Benchmark of the router's KV index and scorer. Prints figures; asserts nothing.
+
+    /work/venv/bin/python bench/index.py [--prefixes 20000] [--backends 4]
+
+- query latency p50/p99 of `InMemoryKvIndex` and `RedisKvIndex` (a real redis-server started on
+  a free port for the run), apply latency, and memory bytes per (prefix, backend) entry;
+- scorer time per 1,000 scoring calls (the seed's bound: 100 ms; aim: 10 ms): `score()` reads of
+  a prepared prefix, and full `select()` calls (prepare = one index query per new prefix, then
+  every candidate scored) over the memory and the Redis index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import random
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+import structlog
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kv_listener.router.config import KvCacheIndexConfig, RedisConfig, StorageOffloadingConfig
+from kv_listener.router.index import IndexEvent, InMemoryKvIndex, KvIndex, PrefixEventType
+from kv_listener.router.redis_index import RedisKvIndex
+from kv_listener.router.scorer import KvOverlapScorer
+from tests.support.redis_server import RedisServer
+
+CREATED = PrefixEventType.CACHE_CREATED
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def fmt_us(samples: list[float]) -> str:
+    return (f"p50 {pct(samples, 0.50) * 1e6:8.1f} us   p99 {pct(samples, 0.99) * 1e6:8.1f} us   "
+            f"mean {statistics.fmean(samples) * 1e6:8.1f} us")
+
+
+def events(prefixes: list[str], backends: list[str], rng: random.Random) -> list[IndexEvent]:
+    return [IndexEvent(CREATED, b, ph, rng.randrange(16, 8192))
+            for ph in prefixes for b in backends if rng.random() < 0.75]
+
+
+async def timed_apply(index: KvIndex, evs: list[IndexEvent]) -> list[float]:
+    out = []
+    for e in evs:
+        t0 = time.perf_counter()
+        await index.apply(e)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def timed_queries(index: KvIndex, keys: list[str]) -> list[float]:
+    out = []
+    for k in keys:
+        t0 = time.perf_counter()
+        await index.query(k)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+async def scorer_figures(name: str, index: KvIndex, prefixes: list[str], backends: list[str],
+                         rng: random.Random) -> None:
+    scorer = KvOverlapScorer(index)
+    for b in backends[:2]:
+        scorer.in_flight.start(b)
+    # 1,000 score() calls on one prepared prefix (the seed's sync read).
+    ph = prefixes[0]
+    await scorer.prepare(ph)
+    runs = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        for i in range(1000):
+            scorer.score(ph, backends[i % len(backends)])
+        runs.append(time.perf_counter() - t0)
+    print(f"  {name:6s} 1,000 score() calls (prepared):      median {statistics.median(runs) * 1e3:7.3f} ms")
+    # 1,000 select() calls, each on a prefix not prepared yet (cold: one index query each).
+    sample = rng.sample(prefixes, 1000)
+    t0 = time.perf_counter()
+    for p in sample:
+        await scorer.select(p, backends)
+    cold = time.perf_counter() - t0
+    # 1,000 select() calls over 10 prefixes prepared just before (within the 100 ms window).
+    hot = sample[:10]
+    for p in hot:
+        scorer.invalidate(p)
+        await scorer.prepare(p)
+    queries_before = scorer.stats.index_queries
+    t0 = time.perf_counter()
+    for i in range(1000):
+        await scorer.select(hot[i % 10], backends)
+    warm = time.perf_counter() - t0
+    assert scorer.stats.index_queries == queries_before, "the window expired: machine too slow"
+    print(f"  {name:6s} 1,000 select() calls, cold prepare:  {cold * 1e3:9.3f} ms "
+          f"({scorer.stats.kv_aware} kv_aware, {scorer.stats.fallback} fallback)")
+    print(f"  {name:6s} 1,000 select() calls, cached prepare: {warm * 1e3:8.3f} ms")
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prefixes", type=int, default=20000)
+    ap.add_argument("--backends", type=int, default=4)
+    ap.add_argument("--queries", type=int, default=20000)
+    args = ap.parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
+    rng = random.Random(7)
+    prefixes = [f"{rng.getrandbits(256):064x}" for _ in range(args.prefixes)]
+    backends = [f"vllm-{i}" for i in range(args.backends)]
+    evs = events(prefixes, backends, rng)
+    misses = [f"{rng.getrandbits(256):064x}" for _ in range(args.queries // 4)]
+    keys = [rng.choice(prefixes) for _ in range(args.queries)] + misses
+    rng.shuffle(keys)
+    print(f"{len(prefixes)} prefixes x {len(backends)} backends -> {len(evs)} entries; "
+          f"{len(keys)} queries (20% misses)")
+
+    # --- memory ---
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    mem = InMemoryKvIndex(max_entries=10_000_000, offloading=StorageOffloadingConfig(enabled=True))
+    for e in evs:
+        mem.apply_now(e)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    apply_mem = await timed_apply(mem, evs[:20000])  # upserts of existing entries
+    q_mem = await timed_queries(mem, keys)
+    print("memory index")
+    print(f"  bytes per (prefix, backend) entry: {used / len(mem):.0f}")
+    print(f"  apply: {fmt_us(apply_mem)}")
+    print(f"  query: {fmt_us(q_mem)}")
+
+    # --- redis ---
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp))
+        server.start()
+        try:
+            red = RedisKvIndex.from_config(
+                RedisConfig(url=server.url, pool_size=8),
+                KvCacheIndexConfig(storage_offloading=StorageOffloadingConfig(enabled=True)))
+            try:
+                apply_red = await timed_apply(red, evs)
+                q_red = await timed_queries(red, keys[:5000])
+                print(f"redis index (redis-server on 127.0.0.1, {server.url})")
+                print(f"  apply (MULTI/EXEC): {fmt_us(apply_red)}")
+                print(f"  query (2x ZREVRANGEBYSCORE, one round trip): {fmt_us(q_red)}")
+                print("scorer (seed bound: 1,000 scoring calls < 100 ms; aim 10 ms)")
+                await scorer_figures("memory", mem, prefixes, backends, rng)
+                await scorer_figures("redis", red, prefixes, backends, rng)
+            finally:
+                await red.close()
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
