@@ -27,6 +27,7 @@ from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import ControlEvent, encode_control, encode_record
 from kv_listener.outputs.sse_server import create_app, serve
 from kv_listener.outputs.streams import StreamHub
+from kv_listener.router.admin import SourceStatus
 from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.consumer import (
     Backoff,
@@ -477,6 +478,19 @@ async def test_backoff_resets_after_a_healthy_connection() -> None:
                                              "bad_content_type": 1}
 
 
+async def test_a_silent_peer_times_out_and_is_left() -> None:
+    # No record and no keep-alive within the read timeout: the peer is presumed dead.
+    async with ScriptedServer([Conn([created(P1, "q-1"), HOLD])]) as server:
+        applied, sleep = Applied(), FakeSleep(block_after=1)
+        async with manager([source(server.url())], applied, sleep, read_timeout_s=0.2) as m:
+            await sleep.wait_count(1)
+            s = m.stats()[B]
+            assert s["ended"] == {"timeout": 1}
+            assert s["last_error"] == "timeout: no data within the read timeout"
+            assert s["connected"] is False
+            assert sleep.delays == [1.0]  # reset by the record it did deliver
+
+
 def test_backoff_cap_is_the_interval_when_above_60_s() -> None:
     b = Backoff(90.0)
     assert [b.next_delay() for _ in range(3)] == [90.0, 90.0, 90.0]
@@ -768,6 +782,10 @@ async def test_against_the_listener_sse_server_into_a_real_index() -> None:
             s = m.stats()[B]
             assert s["ended"] == {"buffer_overflow": 1, "draining": 1}
             assert (s["last_event_id"], s["dropped"], s["connected"]) == (f"{new_epoch}-0", {}, True)
+            assert s["applied_by_event"] == {"cache_cleared": 2, "cache_created": 13}
+            assert m.source_statuses() == [SourceStatus(
+                backend_name=B, connected=True, events_received=15, events_dropped=0,
+                index_created=13, index_evicted=0, reconnect_count=2, last_event_at=1000.0)]
     finally:
         await hub.drain(timeout_s=1)
         await server.stop()

@@ -42,6 +42,7 @@ import yarl
 from kv_listener.core.eventlog import RecordEvent
 from kv_listener.core.model import Tier
 from kv_listener.core.sse import MAX_DATA_BYTES, MAX_LINE_BYTES, ControlEvent, SseError, SseEvent, SseParser
+from kv_listener.router.admin import SourceStatus
 from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.index import IndexEvent, KvIndex, PrefixEventType
 from kv_listener.router.metrics import EventDropReason
@@ -237,6 +238,7 @@ class SourceState:
     connected: bool = False
     received: int = 0  # prefix records dispatched by the stream (before validation)
     applied: int = 0  # records `apply_record` accepted
+    applied_by_event: Counter[str] = field(default_factory=Counter)  # RecordEvent -> applied
     dropped: Counter[str] = field(default_factory=Counter)  # EventDropReason -> n
     ended: Counter[str] = field(default_factory=Counter)  # EndReason -> connection attempts
     last_event_at: float | None = None  # wall clock of the last prefix record received
@@ -525,6 +527,7 @@ class _StreamReader:
             runner.drop(EventDropReason.INDEX_ERROR, type(exc).__name__)
         else:
             self.state.applied += 1
+            self.state.applied_by_event[record.event.value] += 1
         self._set_last_id(ev.last_event_id)
         return None
 
@@ -696,6 +699,7 @@ class KvEventConsumerManager:
                 "connected": s.connected,
                 "received": s.received,
                 "applied": s.applied,
+                "applied_by_event": dict(s.applied_by_event),
                 "dropped": dict(s.dropped),
                 "dropped_total": s.dropped.total(),
                 "last_event_at": s.last_event_at,
@@ -707,6 +711,19 @@ class KvEventConsumerManager:
                 "next_delay_s": s.next_delay_s,
             }
         return out
+
+    def source_statuses(self) -> list[SourceStatus]:
+        """The admin API's per-source view (`create_admin_app(source_status=...)`)."""
+        return [
+            SourceStatus(
+                backend_name=name, connected=s.connected, events_received=s.received,
+                events_dropped=s.dropped.total(),
+                index_created=s.applied_by_event[RecordEvent.CACHE_CREATED.value],
+                index_evicted=s.applied_by_event[RecordEvent.CACHE_EVICTED.value],
+                reconnect_count=s.reconnect_count, last_event_at=s.last_event_at,
+            )
+            for name, s in ((n, self._states[n]) for n in self._configs)
+        ]
 
     def state(self, backend: str) -> SourceState:
         return self._states[backend]
