@@ -449,3 +449,17 @@ async def test_full_queue_drops_counts_then_clears_before_the_next_batch() -> No
 
 def test_zmq_version_supports_zap() -> None:
     assert zmq.zmq_version_info() >= (4, 3)
+
+
+async def test_ipv6_loopback_bind_and_allow_list() -> None:
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(10)
+    stats = SourceStats(engine="vllm")
+    source = ZmqSource(config(zmq_endpoint="tcp://[::1]:0", allowed_publishers=("::1",)), queue,
+                       stats)
+    async with running(source):
+        assert source.endpoint is not None and source.endpoint.startswith("tcp://[::1]:")
+        async with SimPublisher(source.endpoint, mode="connect") as pub:
+            await pub.wait_for_subscriber()
+            pub.publish(payload(8))
+            assert hashes(await get_batch(queue)) == [8]
+    assert stats.refused_publishers == 0

@@ -114,6 +114,7 @@ class SimPublisher:
             pub = ctx.socket(zmq.XPUB)
             self._pub = pub
             pub.linger = 0
+            pub.ipv6 = True
             pub.sndhwm = self._hwm
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)
             if self._bind:
@@ -126,6 +127,7 @@ class SimPublisher:
                 router = ctx.socket(zmq.ROUTER)
                 self._router = router
                 router.linger = 0
+                router.ipv6 = True
                 router.sndhwm = 2 * (self._buffer.maxlen or 1) + 2  # vLLM 0.33
                 router.bind(self._replay_endpoint_cfg)
                 self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -53,7 +53,7 @@ from kv_listener.core.sequence import (
     parse_replay_frames,
     replay_request,
 )
-from kv_listener.sources.common import PublisherAllowList, QueueFeeder
+from kv_listener.sources.common import PublisherAllowList, QueueFeeder, parse_address
 from kv_listener.stats import SourceStats
 
 log = structlog.get_logger(__name__)
@@ -93,7 +93,9 @@ class _AllowListAuthenticator(AsyncioAuthenticator):
         if version != b"1.0":
             self._send_zap_reply(request_id, b"400", b"Invalid version")
             return
-        address = address_b.decode("utf-8", "replace")
+        raw = address_b.decode("utf-8", "replace")
+        parsed = parse_address(raw)
+        address = str(parsed) if parsed is not None else raw
         if await self._allow.check(address):
             self._send_zap_reply(request_id, b"200", b"OK", "anonymous")
             return
@@ -174,6 +176,7 @@ class ZmqSource:
             sub = ctx.socket(zmq.SUB)
             sub.linger = 0
             sub.rcvhwm = self._rcvhwm
+            sub.ipv6 = _wants_ipv6(self.config.zmq_endpoint or "")
             if auth is not None:
                 sub.zap_domain = ZAP_DOMAIN
             sub.setsockopt(zmq.SUBSCRIBE, self.config.zmq_topic.encode("utf-8"))
@@ -224,6 +227,7 @@ class ZmqSource:
         assert self._ctx is not None and self.config.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.linger = 0
+        dealer.ipv6 = _wants_ipv6(self.config.replay_endpoint)
         dealer.connect(self.config.replay_endpoint)
         return dealer
 
@@ -373,6 +377,16 @@ class ZmqSource:
         if status is ReplayStatus.TIMEOUT:
             self._log.warning("zmq_replay_timeout", start=start, received=len(replayed))
         return replayed, status
+
+
+def _wants_ipv6(endpoint: str) -> bool:
+    """IPv6 literals, wildcards and host names need libzmq's IPv6 option; an IPv4 literal must
+    not get it (it would be reported as ::ffff:a.b.c.d). Peers of a dual-stack bind show up as
+    IPv4-mapped addresses, which the allow-list unwraps."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(";", maxsplit=1)[-1].rpartition(":")[0]
+    return parse_address(host) is None or ":" in host
 
 
 def _recv(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:
