@@ -3,8 +3,11 @@
 Owns: connecting to a listener's per-backend prefix event stream (SSE over http/https, one SSE
 record per WebSocket message over ws/wss, or an announced stream of this router's event bus,
 SPEC §7), resuming it with the last event ID seen, turning its records into typed
-`PrefixRecord`s handed to the injected `apply_record` callback, and the reconnect policy. Nothing
-here touches the index itself: the embedding router decides what applying means.
+`PrefixRecord`s handed to the injected `apply_record` callback, and the reconnect policy. What
+applying means is the embedding router's choice; `index_applier(index)` is the usual one (each
+record becomes an `IndexEvent` for a `KvIndex`). Over ws/wss every WebSocket message carries one
+SSE record (the seed lists the schemes without a framing; this is the natural one), parsed by the
+same `core.sse.SseParser` as the byte streams of http(s) and the event bus.
 
 Rules (SPEC §6-§8, seed "SSE 파싱 세부사항" and "스트림 동작 및 재연결"):
 - Event type from the SSE `event:` field, else the JSON body's `event`. `draining` and
