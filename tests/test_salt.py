@@ -10,8 +10,9 @@ from kv_listener.core.prefix import prefix_key
 from kv_listener.core.salt import SALT_LENGTH, SALT_PREFIX, issue_cache_salt, verify_cache_salt
 
 SECRET = b"s3cret"
-KEY = prefix_key("meta-llama/Llama-3.1-8B-Instruct", "You are a helpful assistant.", None)
-assert KEY is not None
+_key = prefix_key("meta-llama/Llama-3.1-8B-Instruct", "You are a helpful assistant.", None)
+assert _key is not None
+KEY: bytes = _key
 VECTOR = ("crs1:6b913e22b32520efcfc547b83f6b5df8c006788e9a691b16b94d3f86352e4afb:"
           "8a12d1c171aa1fc5455355d772f847b3")
 

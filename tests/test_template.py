@@ -40,7 +40,8 @@ def parser(name: str) -> PromptParser:
     key = f"parser:{name}"
     if key not in _cache:
         _cache[key] = PromptParser(learn_from_tokenizer(tokenizer(name), name=name))
-    return _cache[key]
+    result: PromptParser = _cache[key]
+    return result
 
 
 def render(name: str, messages: list[dict[str, str]], gen: bool = True) -> str:
@@ -166,7 +167,7 @@ def test_empty_first_message_has_no_text(name: str) -> None:
 def _walk(name: str, messages: list[dict[str, str]], limit: int) -> list[ResolveStatus]:
     full = render(name, messages)
     expected = key_of(parser(name).parse_prompt(full, limit), limit=limit)
-    statuses = []
+    statuses: list[ResolveStatus] = []
     for i in range(len(full) + 1):
         parsed = parser(name).parse_prompt(full[:i], limit)
         assert parsed.status in (ResolveStatus.PENDING, ResolveStatus.RESOLVED), (i, parsed)
