@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -78,7 +78,7 @@ from kv_listener.router.metrics import RouterMetrics
 log = structlog.get_logger(__name__)
 
 #: What "Redis is unreachable" looks like (redis-py wraps most, TimeoutError is an OSError).
-REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, OSError)
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError)
 _WATCH_RETRIES = 8
 _BATCH = 256
 
@@ -409,24 +409,23 @@ class RedisKvIndex(KvIndex):
             return "backend", rest[8:]
         return None
 
-    async def _scan(self, pattern_suffix: str = "*") -> Iterable[list[str]]:
+    async def _scan(self, pattern_suffix: str = "*") -> AsyncIterator[list[str]]:
+        """Keys under the key prefix in batches, streamed (SCAN tolerates deletes meanwhile)."""
         keys: list[str] = []
-        batches: list[list[str]] = []
         match = _glob_escape(self.key_prefix) + pattern_suffix
         async for key in self._client.scan_iter(match=match, count=1000):
             keys.append(_str(key))
             if len(keys) >= _BATCH:
-                batches.append(keys)
+                yield keys
                 keys = []
         if keys:
-            batches.append(keys)
-        return batches
+            yield keys
 
     async def _redis_stats(self) -> IndexStats:
         per_backend: dict[str, list[int]] = {}
         prefixes: set[str] = set()
         entries = 0
-        for batch in await self._scan():
+        async for batch in self._scan():
             zsets = [(k, c) for k in batch if (c := self._classify(k)) and c[0] != "backend"]
             if not zsets:
                 continue
@@ -473,7 +472,7 @@ class RedisKvIndex(KvIndex):
         try:
             before = (await self._redis_stats()).entries
             cleared = 0
-            for batch in await self._scan():
+            async for batch in self._scan():
                 zsets = [k for k in batch if (c := self._classify(k)) and c[0] != "backend"]
                 async with self._client.pipeline(transaction=True) as pipe:
                     for k in zsets:
@@ -499,7 +498,7 @@ class RedisKvIndex(KvIndex):
             return self._fallback.cleanup_now()
         pruned = 0
         try:
-            for batch in await self._scan("backend:*"):
+            async for batch in self._scan("backend:*"):
                 for key in batch:
                     c = self._classify(key)
                     if c is None or c[0] != "backend":
