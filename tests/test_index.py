@@ -18,8 +18,10 @@ from redis.asyncio import Redis
 
 from kv_listener.core.model import Tier
 from kv_listener.router.config import (
+    IndexBackend,
     KvCacheIndexConfig,
     RedisConfig,
+    RouterConfig,
     StorageOffloadingConfig,
 )
 from kv_listener.router.index import (
@@ -31,7 +33,7 @@ from kv_listener.router.index import (
     PrefixEventType,
 )
 from kv_listener.router.metrics import RouterMetrics
-from kv_listener.router.redis_index import IndexUnavailableError, RedisKvIndex
+from kv_listener.router.redis_index import IndexUnavailableError, RedisKvIndex, build_index
 from tests.support import ManualClock
 from tests.support.redis_server import RedisServer, TlsFiles
 
@@ -560,3 +562,21 @@ async def test_redis_over_tls(tmp_path: Path) -> None:
         await good.close()
         await untrusted.close()
         server.stop()
+
+
+async def test_build_index_follows_the_config(redis_server: RedisServer) -> None:
+    kv = KvCacheIndexConfig(max_entries=500, entry_ttl_seconds=42, storage_offloading=WARM)
+    mem = build_index(RouterConfig(kv_cache_index=kv))
+    assert isinstance(mem, InMemoryKvIndex)
+    assert (mem.max_entries, mem.ttl_s, mem.offloading) == (500, 42, WARM)
+    rkv = KvCacheIndexConfig(backend=IndexBackend.REDIS, key_prefix="x:", entry_ttl_seconds=42)
+    red = build_index(RouterConfig(kv_cache_index=rkv, redis=RedisConfig(url=redis_server.url)))
+    try:
+        assert isinstance(red, RedisKvIndex)
+        await red.apply(ev(CREATED, "vllm-1", P1, 1))
+        assert red.hot_key(P1) == f"x:{P1}"
+        assert await red.query(P1) == [Holder("vllm-1", 1, Tier.GPU_HOT)]
+    finally:
+        await red.close()
+    with pytest.raises(ValueError, match=r"response_cache\.redis"):
+        build_index(RouterConfig(kv_cache_index=rkv))

@@ -51,8 +51,10 @@ from kv_listener.config import read_secret
 from kv_listener.core.model import Tier
 from kv_listener.router.config import (
     DEFAULT_KEY_PREFIX,
+    IndexBackend,
     KvCacheIndexConfig,
     RedisConfig,
+    RouterConfig,
     StorageOffloadingConfig,
 )
 from kv_listener.router.index import (
@@ -538,3 +540,17 @@ class RedisKvIndex(KvIndex):
                 await self._probe_task
             self._probe_task = None
         await self._client.aclose()
+
+
+def build_index(config: RouterConfig, *, metrics: RouterMetrics | None = None,
+                probe_interval_s: float = 30.0) -> KvIndex:
+    """The index `kv_cache_index.backend` asks for (Redis settings from `response_cache.redis`).
+    Raises ConfigError when the Redis password file cannot be read."""
+    kv = config.kv_cache_index
+    if kv.backend is IndexBackend.REDIS:
+        if config.redis is None:
+            raise ValueError("kv_cache_index.backend is redis but response_cache.redis is unset")
+        return RedisKvIndex.from_config(config.redis, kv, metrics=metrics,
+                                        probe_interval_s=probe_interval_s)
+    return InMemoryKvIndex(max_entries=kv.max_entries, entry_ttl_seconds=kv.entry_ttl_seconds,
+                           offloading=kv.storage_offloading)
