@@ -337,7 +337,7 @@ def test_trtllm_larger_window_learned_late_clears_the_smaller_windows_state() ->
     s = TrtllmEventStream()
     s.accept([Rec(0, (stored(1),), window_size=512)], ts=1.0)
     out = s.accept([Rec(1, (stored(2),), window_size=4096)], ts=2.0)
-    assert out.items == (SourceCleared(ClearReason.GAP), EventBatch(ts=2.0, events=(stored(2),)))
+    assert out.items == (SourceCleared(ClearReason.WINDOW_CHANGED), EventBatch(ts=2.0, events=(stored(2),)))
     out = s.accept([Rec(2, (stored(3),), window_size=512)], ts=3.0)
     assert out.items == ()
     assert out.drops == {"window_not_max": 1}

@@ -115,6 +115,7 @@ class ClearReason(enum.StrEnum):
     GAP = "gap"  # sequence gap that replay could not cover
     OVERFLOW = "overflow"  # our own bounded queue overflowed
     SOURCE_RESTART = "source_restart"  # the source task (re)started
+    WINDOW_CHANGED = "window_changed"  # TRT-LLM VSWA: a larger attention window appeared
 
 
 @dataclass(frozen=True, slots=True)

@@ -334,8 +334,9 @@ class TrtllmEventStream:
         if windows and (self._max_window is None or max(windows) > self._max_window):
             self._max_window = max(windows)
             if any(w < self._max_window for w in self._applied_windows):
-                # No ClearReason fits better: the state is incomplete for the window we keep.
-                clear(ClearReason.GAP)
+                # What was applied belongs to a smaller window: the state is incomplete for the
+                # window we keep from now on.
+                clear(ClearReason.WINDOW_CHANGED)
 
         for record in records:
             rank = record.dp_rank
