@@ -4,9 +4,10 @@ It decodes with a real tokenizer (the tiny fixture tokenizers) and answers in th
 shape: vLLM `{"prompt"}` (decode keeps special tokens, like vLLM 0.10.2's
 `tokenizer.decode(ids)`), SGLang `{"text"}` honouring `skip_special_tokens` with SGLang's
 default `true` (so a client that forgets to send `false` loses the role markers, as with the
-real engine). Failures are scripted: `script` is a list of HTTP statuses (or "hold": wait for
-`release` to be set, which lets a client time out without any sleep) answered before normal
-answers. `/tokenizer_info` answers `tokenizer_info` when set, else 404 (vLLM without
+real engine). Failures are scripted: `script` lists, per request, an HTTP status to answer,
+"garbage", "wrong-shape", "redirect", or "hold" (wait for `release`, then answer normally: a
+client times out, or a test controls when an answer comes, without any sleep).
+`/tokenizer_info` answers `tokenizer_info` when set, else 404 (vLLM without
 `--enable-tokenizer-info-endpoint`).
 """
 
@@ -41,17 +42,17 @@ class DetokenizeServer:
         self.arrived.set()
         if self.script:
             step = self.script.pop(0)
-            if step == "hold":
+            if step == "hold":  # then answer normally
                 await self.release.wait()
-                return web.json_response({"error": "held"}, status=503)
-            if step == "garbage":
+            elif step == "garbage":
                 return web.Response(text="<html>not json</html>", content_type="text/html")
-            if step == "wrong-shape":
+            elif step == "wrong-shape":
                 return web.json_response({"tokens": body.get("tokens")})
-            if step == "redirect":
+            elif step == "redirect":
                 raise web.HTTPFound("/elsewhere")
-            assert isinstance(step, int)
-            return web.json_response({"object": "error", "code": step}, status=step)
+            else:
+                assert isinstance(step, int)
+                return web.json_response({"object": "error", "code": step}, status=step)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             return web.json_response({"error": "bad tokens"}, status=400)
