@@ -59,9 +59,11 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 
 def _config_kind(raw: Any) -> str | None:
     """Tell a listener file from a router file by its top-level keys (SPEC §8)."""
+    from kv_listener.router.config import is_router_file  # noqa: PLC0415
+
     if not isinstance(raw, dict):
         return None
-    if "kv_cache_index" in raw:
+    if is_router_file(raw):
         return "router"
     if "sources" in raw or set(raw) & LISTENER_TOP_KEYS:
         return "listener"

@@ -150,8 +150,9 @@ def parse_listen(text: str) -> tuple[str, int]:
 T = TypeVar("T")
 
 
-class _Reader:
-    """Walks the YAML tree and collects errors with their paths instead of stopping at the first."""
+class Reader:
+    """Walks a YAML tree (listener or router file) and collects errors with their paths
+    instead of stopping at the first."""
 
     def __init__(self) -> None:
         self.errors: list[str] = []
@@ -167,7 +168,7 @@ class _Reader:
         if value is None:
             return {}
         if not isinstance(value, Mapping):
-            self.error(path, f"expected a mapping, got {_type_name(value)}")
+            self.error(path, f"expected a mapping, got {type_name(value)}")
             return {}
         out: dict[str, Any] = {}
         for key, item in value.items():
@@ -209,7 +210,7 @@ class _Reader:
             self.error(sub, f"expected {_kind_name(kind)}, got a boolean")
             return default
         if not isinstance(value, kind):
-            self.error(sub, f"expected {_kind_name(kind)}, got {_type_name(value)}")
+            self.error(sub, f"expected {_kind_name(kind)}, got {type_name(value)}")
             return default
         return value  # type: ignore[return-value]
 
@@ -234,7 +235,7 @@ class _Reader:
             return default
         raw = data[key]
         if not isinstance(raw, str):
-            self.error(sub, f"expected a duration string like '500ms' or '5s', got {_type_name(raw)}")
+            self.error(sub, f"expected a duration string like '500ms' or '5s', got {type_name(raw)}")
             return default
         try:
             value = parse_duration(raw)
@@ -266,7 +267,7 @@ class _Reader:
             self.error(path, f"{'directory' if directory else 'file'} {value!r} does not exist")
 
 
-def _type_name(value: Any) -> str:
+def type_name(value: Any) -> str:
     if value is None:
         return "null"
     return {
@@ -292,7 +293,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join(names.get(k, k.__name__) for k in kinds)
 
 
-def _limits(r: _Reader, raw: Any, path: str, base: Limits) -> Limits:
+def _limits(r: Reader, raw: Any, path: str, base: Limits) -> Limits:
     allowed = {f.name for f in dataclasses.fields(Limits)}
     data = r.mapping(raw, path, allowed)
     lim = Limits(
@@ -305,7 +306,7 @@ def _limits(r: _Reader, raw: Any, path: str, base: Limits) -> Limits:
     return lim
 
 
-def _url(r: _Reader, path: str, value: str | None, schemes: tuple[str, ...]) -> str | None:
+def check_url(r: Reader, path: str, value: str | None, schemes: tuple[str, ...]) -> str | None:
     if value is None:
         return None
     try:
@@ -327,7 +328,7 @@ def _url(r: _Reader, path: str, value: str | None, schemes: tuple[str, ...]) -> 
     return value
 
 
-def _zmq_endpoint(r: _Reader, path: str, value: str | None) -> str | None:
+def _zmq_endpoint(r: Reader, path: str, value: str | None) -> str | None:
     if value is None:
         return None
     m = re.match(r"^(tcp|ipc|inproc)://(.+)$", value)
@@ -344,9 +345,9 @@ def _zmq_endpoint(r: _Reader, path: str, value: str | None) -> str | None:
     return value
 
 
-def _publisher(r: _Reader, path: str, value: Any) -> str | None:
+def _publisher(r: Reader, path: str, value: Any) -> str | None:
     if not isinstance(value, str):
-        r.error(path, f"expected a string, got {_type_name(value)}")
+        r.error(path, f"expected a string, got {type_name(value)}")
         return None
     try:
         ipaddress.ip_network(value, strict=False)
@@ -359,7 +360,7 @@ def _publisher(r: _Reader, path: str, value: Any) -> str | None:
     return None
 
 
-def _source(r: _Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bool) -> SourceConfig | None:
+def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bool) -> SourceConfig | None:
     allowed = {
         "backend_name",
         "engine",
@@ -377,7 +378,7 @@ def _source(r: _Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: b
         "limits",
     }
     if not isinstance(raw, Mapping):
-        r.error(path, f"expected a mapping, got {_type_name(raw)}")
+        r.error(path, f"expected a mapping, got {type_name(raw)}")
         return None
     data = r.mapping(raw, path, allowed)
     n_errors = len(r.errors)
@@ -412,13 +413,13 @@ def _source(r: _Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: b
     )
     zmq_mode = r.choice(data, "zmq_mode", path, "bind", ("bind", "connect"))
     zmq_topic = r.typed(data, "zmq_topic", path, str, "")
-    detok = _url(
+    detok = check_url(
         r,
         f"{path}.detokenize_endpoint",
         r.typed(data, "detokenize_endpoint", path, str, None, nullable=True),
         ("http", "https"),
     )
-    trtllm = _url(
+    trtllm = check_url(
         r,
         f"{path}.trtllm_endpoint",
         r.typed(data, "trtllm_endpoint", path, str, None, nullable=True),
@@ -433,7 +434,7 @@ def _source(r: _Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: b
     publishers: list[str] = []
     raw_pubs = data.get("allowed_publishers", ["127.0.0.1"])
     if not isinstance(raw_pubs, list):
-        r.error(f"{path}.allowed_publishers", f"expected a list, got {_type_name(raw_pubs)}")
+        r.error(f"{path}.allowed_publishers", f"expected a list, got {type_name(raw_pubs)}")
     else:
         for i, item in enumerate(raw_pubs):
             pub = _publisher(r, f"{path}.allowed_publishers[{i}]", item)
@@ -513,7 +514,7 @@ def host_allowed(host: str, publishers: tuple[str, ...] | list[str]) -> bool:
     return False
 
 
-def _cache_salt(r: _Reader, raw: Any) -> CacheSaltConfig:
+def _cache_salt(r: Reader, raw: Any) -> CacheSaltConfig:
     data = r.mapping(raw, "cache_salt", {"secret_file", "secret_env"})
     secret_file = r.typed(data, "secret_file", "cache_salt", str, None, nullable=True)
     secret_env = r.typed(data, "secret_env", "cache_salt", str, None, nullable=True)
@@ -525,7 +526,7 @@ def _cache_salt(r: _Reader, raw: Any) -> CacheSaltConfig:
     return CacheSaltConfig(secret_file=secret_file, secret_env=secret_env)
 
 
-def _event_bus(r: _Reader, raw: Any) -> EventBusConfig | None:
+def _event_bus(r: Reader, raw: Any) -> EventBusConfig | None:
     if raw is None:
         return None
     p = "event_bus"
@@ -539,7 +540,7 @@ def _event_bus(r: _Reader, raw: Any) -> EventBusConfig | None:
     if "url" not in data:
         r.error(f"{p}.url", "is required")
     else:
-        _url(r, f"{p}.url", url, ("https",))
+        check_url(r, f"{p}.url", url, ("https",))
     client_id = r.typed(data, "client_id", p, str, "kv-listener-a")
     if not BACKEND_NAME_RE.match(client_id):
         r.error(f"{p}.client_id", f"must match [A-Za-z0-9_-]{{1,64}}, got {client_id!r}")
@@ -608,9 +609,9 @@ LISTENER_TOP_KEYS = frozenset(
 
 def parse_config(raw: Any) -> ListenerConfig:
     """YAML tree -> `ListenerConfig`. Raises `ConfigError` listing every problem."""
-    r = _Reader()
+    r = Reader()
     if raw is not None and not isinstance(raw, Mapping):
-        raise ConfigError([f"<root>: expected a mapping, got {_type_name(raw)}"])
+        raise ConfigError([f"<root>: expected a mapping, got {type_name(raw)}"])
     data = r.mapping(raw, "", set(LISTENER_TOP_KEYS))
 
     host, port = "127.0.0.1", 7817
@@ -639,7 +640,7 @@ def parse_config(raw: Any) -> ListenerConfig:
     if raw_sources is None:
         raw_sources = []
     if not isinstance(raw_sources, list):
-        r.error("sources", f"expected a list, got {_type_name(raw_sources)}")
+        r.error("sources", f"expected a list, got {type_name(raw_sources)}")
         raw_sources = []
     seen: dict[str, int] = {}
     endpoints: dict[str, int] = {}

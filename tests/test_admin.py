@@ -3,19 +3,17 @@ in-memory index and, for clear/stats/503, a real Redis index on a real redis-ser
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import socket
-from collections.abc import AsyncIterator, Generator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
+from kv_listener.httpserver import serve
 from kv_listener.router.admin import SourceStatus, create_admin_app
 from kv_listener.router.config import (
     EventSourceConfig,
@@ -46,38 +44,13 @@ KV = KvCacheIndexConfig(
 )
 
 
-class _Server(uvicorn.Server):
-    """uvicorn with an event set once it accepts connections, and no signal handlers."""
-
-    def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
-        self.accepting = asyncio.Event()
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        self.accepting.set()
-
-
 @contextlib.asynccontextmanager
 async def served(app: Starlette) -> AsyncIterator[str]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = _Server(uvicorn.Config(app, lifespan="off", log_config=None, access_log=False))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
+    server = await serve(app, "127.0.0.1", 0)
     try:
-        async with asyncio.timeout(10):
-            await server.accepting.wait()
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{server.port}"
     finally:
-        server.should_exit = True
-        await task
-        sock.close()
+        await server.stop()
 
 
 class Admin:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kv_listener import __version__
 from tests.conftest import ROOT, free_port
 
 CMD = [sys.executable, "-m", "kv_listener"]
@@ -31,8 +32,6 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
 
 
 def test_version() -> None:
-    from kv_listener import __version__
-
     proc = run("--version")
     assert proc.returncode == 0
     assert proc.stdout.strip() == f"continuum-kv-listener {__version__}"
@@ -122,8 +121,8 @@ def _start(config: Path) -> subprocess.Popen[str]:
 def _read_event(proc: subprocess.Popen[str], name: str) -> dict[str, object]:
     """Read JSON log lines from stderr until the named event (blocking read: the process writes it)."""
     assert proc.stderr is not None
-    for line in proc.stderr:
-        line = line.strip()
+    for raw in proc.stderr:
+        line = raw.strip()
         if not line.startswith("{"):
             continue
         rec = json.loads(line)

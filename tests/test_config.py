@@ -105,7 +105,8 @@ def test_durations(text: str, seconds: float) -> None:
 
 @pytest.mark.parametrize("bad", ["5", "5 sec", "-1s", "s", "1d", ""])
 def test_bad_durations_name_their_path(bad: str) -> None:
-    assert one_error({"update_interval": bad, "sources": [VLLM]}).startswith("update_interval: invalid duration")
+    err = one_error({"update_interval": bad, "sources": [VLLM]})
+    assert err.startswith("update_interval: invalid duration")
     err = one_error(with_source(poll_interval=bad))
     assert err.startswith("sources[0].poll_interval: invalid duration")
 

@@ -75,7 +75,8 @@ async def read_until(stream: EventStream, parser: SseParser, n: int) -> tuple[by
 
 
 async def test_new_consumer_gets_resync_then_live_records_byte_exact() -> None:
-    hub = make_hub()
+    # A fixed clock: the resync's cache_cleared carries "now", compared below byte for byte.
+    hub = make_hub(clock=lambda: 1764412345.123)
     first = hub.publish(B1, [created(1), created(2, 32, Tier.STORAGE_WARM)])
     stream = hub.open(B1)
     assert stream.resync is not None

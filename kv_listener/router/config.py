@@ -26,11 +26,11 @@ from kv_listener.config import (
     BACKEND_NAME_RE,
     ConfigError,
     LogConfig,
-    _Reader,
-    _type_name,
-    _url,
+    Reader,
+    check_url,
     parse_listen,
     read_yaml,
+    type_name,
 )
 
 #: The seed's pool threshold (DEFAULT_SCORER_THRESHOLD): a KV-aware pick needs a composite > this.
@@ -194,7 +194,7 @@ class RouterConfig:
 ROUTER_TOP_KEYS = frozenset({"kv_cache_index", "dynamo", "response_cache", "admin", "log"})
 
 
-def _number(r: _Reader, data: dict[str, Any], key: str, path: str, default: float,
+def _number(r: Reader, data: dict[str, Any], key: str, path: str, default: float,
             lo: float, hi: float) -> float:
     value = float(r.typed(data, key, path, (int, float), default))
     if not lo <= value <= hi:
@@ -203,7 +203,7 @@ def _number(r: _Reader, data: dict[str, Any], key: str, path: str, default: floa
     return value
 
 
-def _scoring(r: _Reader, raw: Any) -> ScoringConfig:
+def _scoring(r: Reader, raw: Any) -> ScoringConfig:
     p = "kv_cache_index.scoring"
     d = ScoringConfig()
     data = r.mapping(raw, p, set(ScoringConfig.__dataclass_fields__))
@@ -223,9 +223,9 @@ def _scoring(r: _Reader, raw: Any) -> ScoringConfig:
     return cfg
 
 
-def _event_source(r: _Reader, raw: Any, path: str) -> EventSourceConfig | None:
+def _event_source(r: Reader, raw: Any, path: str) -> EventSourceConfig | None:
     if not isinstance(raw, Mapping):
-        r.error(path, f"expected a mapping, got {_type_name(raw)}")
+        r.error(path, f"expected a mapping, got {type_name(raw)}")
         return None
     data = r.mapping(raw, path, {"backend_name", "endpoint", "transport", "reconnect_interval_ms"})
     n_errors = len(r.errors)
@@ -240,7 +240,7 @@ def _event_source(r: _Reader, raw: Any, path: str) -> EventSourceConfig | None:
         if endpoint is None:
             r.error(f"{path}.endpoint", "is required (or set transport: event_bus)")
         else:
-            endpoint = _url(r, f"{path}.endpoint", endpoint, ("http", "https", "ws", "wss"))
+            endpoint = check_url(r, f"{path}.endpoint", endpoint, ("http", "https", "ws", "wss"))
             segments = urlsplit(endpoint).path.rstrip("/").split("/") if endpoint else []
             if endpoint and name and segments[-2:] != ["events", name]:
                 r.warn(f"{path}.endpoint", f"does not end in /events/{name}: events of another "
@@ -255,7 +255,7 @@ def _event_source(r: _Reader, raw: Any, path: str) -> EventSourceConfig | None:
                              reconnect_interval_ms=interval)
 
 
-def _kv_cache_index(r: _Reader, raw: Any) -> KvCacheIndexConfig:
+def _kv_cache_index(r: Reader, raw: Any) -> KvCacheIndexConfig:
     p = "kv_cache_index"
     allowed = {"enabled", "backend", "key_prefix", "max_entries", "entry_ttl_seconds", "scoring",
                "storage_offloading", "event_sources"}
@@ -280,7 +280,7 @@ def _kv_cache_index(r: _Reader, raw: Any) -> KvCacheIndexConfig:
     sources: list[EventSourceConfig] = []
     raw_sources = data.get("event_sources") or []
     if not isinstance(raw_sources, list):
-        r.error(f"{p}.event_sources", f"expected a list, got {_type_name(raw_sources)}")
+        r.error(f"{p}.event_sources", f"expected a list, got {type_name(raw_sources)}")
         raw_sources = []
     seen: dict[str, int] = {}
     for i, item in enumerate(raw_sources):
@@ -322,9 +322,9 @@ def _kv_cache_index(r: _Reader, raw: Any) -> KvCacheIndexConfig:
     )
 
 
-def _broker(r: _Reader, raw: Any, path: str, mtls: bool) -> BrokerConfig | None:
+def _broker(r: Reader, raw: Any, path: str, mtls: bool) -> BrokerConfig | None:
     if not isinstance(raw, Mapping):
-        r.error(path, f"expected a mapping, got {_type_name(raw)}")
+        r.error(path, f"expected a mapping, got {type_name(raw)}")
         return None
     data = r.mapping(raw, path, {"id", "role", "token_hash", "backends"})
     n_errors = len(r.errors)
@@ -352,7 +352,7 @@ def _broker(r: _Reader, raw: Any, path: str, mtls: bool) -> BrokerConfig | None:
     backends: list[str] = []
     raw_backends = data.get("backends", [])
     if not isinstance(raw_backends, list):
-        r.error(f"{path}.backends", f"expected a list, got {_type_name(raw_backends)}")
+        r.error(f"{path}.backends", f"expected a list, got {type_name(raw_backends)}")
         raw_backends = []
     for j, name in enumerate(raw_backends):
         sub = f"{path}.backends[{j}]"
@@ -369,7 +369,7 @@ def _broker(r: _Reader, raw: Any, path: str, mtls: bool) -> BrokerConfig | None:
     return BrokerConfig(id=broker_id, role=role, token_hash=token_hash, backends=tuple(backends))
 
 
-def _event_bus(r: _Reader, raw: Any) -> EventBusServerConfig:
+def _event_bus(r: Reader, raw: Any) -> EventBusServerConfig:
     p = "dynamo.event_bus"
     data = r.mapping(raw, p, {"enabled", "listen", "tls", "brokers"})
     enabled = r.typed(data, "enabled", p, bool, False)
@@ -397,7 +397,7 @@ def _event_bus(r: _Reader, raw: Any) -> EventBusServerConfig:
     brokers: list[BrokerConfig] = []
     raw_brokers = data.get("brokers") or []
     if not isinstance(raw_brokers, list):
-        r.error(f"{p}.brokers", f"expected a list, got {_type_name(raw_brokers)}")
+        r.error(f"{p}.brokers", f"expected a list, got {type_name(raw_brokers)}")
         raw_brokers = []
     ids: dict[str, int] = {}
     hashes: dict[str, int] = {}
@@ -422,14 +422,14 @@ def _event_bus(r: _Reader, raw: Any) -> EventBusServerConfig:
                                 brokers=tuple(brokers))
 
 
-def _redis(r: _Reader, raw: Any) -> RedisConfig:
+def _redis(r: Reader, raw: Any) -> RedisConfig:
     p = "response_cache.redis"
     d = RedisConfig()
     allowed = {"url", "tls", "ca_file", "username", "password_file", "password_env", "pool_size",
                "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory"}
     data = r.mapping(raw, p, allowed)
     url = r.typed(data, "url", p, str, d.url)
-    _url(r, f"{p}.url", url, ("redis", "rediss"))
+    check_url(r, f"{p}.url", url, ("redis", "rediss"))
     ca_file = r.typed(data, "ca_file", p, str, None, nullable=True)
     r.existing_file(f"{p}.ca_file", ca_file)
     password_file = r.typed(data, "password_file", p, str, None, nullable=True)
@@ -459,9 +459,9 @@ def _is_loopback(host: str) -> bool:
 
 def parse_router_config(raw: Any) -> RouterConfig:
     """YAML tree -> `RouterConfig`. Raises `ConfigError` listing every problem."""
-    r = _Reader()
+    r = Reader()
     if raw is not None and not isinstance(raw, Mapping):
-        raise ConfigError([f"<root>: expected a mapping, got {_type_name(raw)}"])
+        raise ConfigError([f"<root>: expected a mapping, got {type_name(raw)}"])
     data = r.mapping(raw, "", set(ROUTER_TOP_KEYS))
     if "kv_cache_index" not in data:
         r.error("kv_cache_index", "is required (this is what tells a router file from a "
