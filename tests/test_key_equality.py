@@ -113,7 +113,7 @@ def body_of(messages: list[dict[str, Any]], model: str = "tiny") -> dict[str, An
     return {"model": model, "messages": [*messages, *PADDING]}
 
 
-CONVERSATIONS_WITH_SYSTEM = {
+CONVERSATIONS_WITH_SYSTEM: dict[str, list[dict[str, Any]]] = {
     "system_and_user": [{"role": "system", "content": "You are a careful assistant. 답은 한국어로."},
                         {"role": "user", "content": "안녕하세요, 도와주세요"}],
     "developer_role": [{"role": "developer", "content": "Answer in three sentences."},
@@ -124,7 +124,7 @@ CONVERSATIONS_WITH_SYSTEM = {
     "empty_system": [{"role": "system", "content": ""},
                      {"role": "user", "content": "The quick brown fox 뷁"}],
 }
-CONVERSATIONS_ANY = {
+CONVERSATIONS_ANY: dict[str, list[dict[str, Any]]] = {
     "user_only": [{"role": "user", "content": "안녕하세요, 도와주세요 뷁뷁"}],
     "user_list_content": [{"role": "user", "content": [{"type": "text", "text": "line one"},
                                                        {"type": "text", "text": "둘째 줄"}]}],

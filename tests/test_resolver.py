@@ -17,6 +17,7 @@ from kv_listener.core.prefix import prefix_key
 from kv_listener.resolver.detokenize import HttpDetokenizer, LocalDetokenizer
 from kv_listener.resolver.resolver import BACKLOG_FULL, INTERNAL_ERROR, ChainResolver
 from kv_listener.resolver.template import (
+    DEMO_TOKENIZER_DIR,
     PromptParser,
     learn_from_tokenizer,
     load_tokenizer,
@@ -378,3 +379,36 @@ async def test_for_source_unusable_template_falls_back_to_builtins(tmp_path: Pat
 async def test_for_source_needs_a_decoder() -> None:
     with pytest.raises(ValueError, match="no detokenize_endpoint and no tokenizer"):
         await ChainResolver.for_source(source(), on_outcome=lambda o: None)
+
+
+async def test_only_the_first_max_decode_tokens_are_decoded() -> None:
+    queue: asyncio.Queue[ResolveOutcome] = asyncio.Queue()
+    long_chat = tokens_of([{"role": "system", "content": "Be kind."},
+                           {"role": "user", "content": "The quick brown fox. " * 200}])
+    assert len(long_chat) > 64
+    async with DetokenizeServer(chatml()) as server:
+        resolver = ChainResolver(detokenizer=HttpDetokenizer(server.url, Engine.VLLM),
+                                 parser=chatml_parser(), on_outcome=queue.put_nowait,
+                                 max_decode_tokens=32)
+        try:
+            resolver.submit(ResolveRequest(head=1, model="m", tokens=long_chat))
+            assert (await next_outcome(queue)).key == prefix_key("m", "Be kind.", None)
+            # A chain still pending within the limit can never resolve: say so.
+            long_system = tokens_of([{"role": "system", "content": "Be kind. " * 100},
+                                     {"role": "user", "content": "x"}])
+            resolver.submit(ResolveRequest(head=2, model="m", tokens=long_system))
+            assert await next_outcome(queue) == ResolveOutcome(
+                2, ResolveStatus.UNATTRIBUTED, reason="beyond_decode_limit")
+            # Within the limit, the same prefix is merely pending.
+            resolver.submit(ResolveRequest(head=3, model="m", tokens=long_system[:32]))
+            assert (await next_outcome(queue)).status is ResolveStatus.PENDING
+        finally:
+            await resolver.close()
+    assert [len(r["tokens"]) for r in server.requests] == [32, 32, 32]
+
+
+def test_demo_tokenizer_is_shipped() -> None:
+    demo = load_tokenizer(DEMO_TOKENIZER_DIR)
+    text = "<|im_start|>user\n안녕<|im_end|>\n"
+    assert demo.decode(demo.encode(text, add_special_tokens=False)) == text
+    assert demo.chat_template == chatml().chat_template

@@ -9,8 +9,9 @@ resolver worker task (never from inside `submit`), so the caller never sees re-e
 To feed a tracker owned by another task, pass `queue.put_nowait` of an `asyncio.Queue` that the
 owning task drains. After `close()` no outcome is delivered.
 
-Bounds: at most `max_concurrency` decodes run at once; at most `max_backlog` requests wait. A
-head already queued or running is not queued again (one call per distinct chain head). When
+Bounds: at most `max_concurrency` decodes run at once; at most `max_backlog` requests wait; at
+most the first `max_decode_tokens` tokens of a chain are decoded. A head already queued or
+running is not queued again (one call per distinct chain head). When
 the backlog is full a request is answered at once with `FAILED` / `backlog_full` (the tracker
 keeps the chain pending and asks again when it grows): ingestion never waits for us.
 """
@@ -54,6 +55,14 @@ OutcomeCallback = Callable[[ResolveOutcome], None]
 BACKLOG_FULL = "backlog_full"
 #: `ResolveOutcome.reason` of an unexpected error inside the resolver (a bug, logged).
 INTERNAL_ERROR = "internal_error"
+#: `ResolveOutcome.reason` (UNATTRIBUTED) of a chain still pending after `max_decode_tokens`
+#: tokens: more tokens are never decoded, so it can never resolve.
+BEYOND_DECODE_LIMIT = "beyond_decode_limit"
+#: The key depends on the first `max_prefix_length` bytes of the system prompt or first message
+#: only. Decoding the first 4096 tokens covers a template's header, a default system prompt and
+#: 1024 content bytes many times over (a token decodes to at least one byte), and keeps a vLLM
+#: event that stores a whole 16k-token prompt at once from costing a 16k-token decode.
+DEFAULT_MAX_DECODE_TOKENS = 4096
 
 
 class ChainResolver:
@@ -69,16 +78,20 @@ class ChainResolver:
         stats: SourceStats | None = None,
         max_concurrency: int = 4,
         max_backlog: int = 10000,
+        max_decode_tokens: int = DEFAULT_MAX_DECODE_TOKENS,
         name: str = "source",
     ) -> None:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if max_decode_tokens < 1:
+            raise ValueError("max_decode_tokens must be >= 1")
         self.detokenizer = detokenizer
         self.parser = parser
         self.max_prefix_length = max_prefix_length
         self.stats = stats
         self.max_concurrency = max_concurrency
         self.max_backlog = max_backlog
+        self.max_decode_tokens = max_decode_tokens
         self.name = name
         self._on_outcome = on_outcome
         self._queue: asyncio.Queue[ResolveRequest] = asyncio.Queue()
@@ -107,6 +120,7 @@ class ChainResolver:
         retries: int = 2,
         max_concurrency: int = 4,
         max_backlog: int = 10000,
+        max_decode_tokens: int = DEFAULT_MAX_DECODE_TOKENS,
     ) -> ChainResolver:
         """Decoder and template of `source` (SPEC §2 order). Loads the local tokenizer and
         learns the template in a worker thread. Raises `ValueError` when the source has
@@ -147,7 +161,7 @@ class ChainResolver:
         return cls(detokenizer=detokenizer, parser=parser, on_outcome=on_outcome,
                    max_prefix_length=max_prefix_length, stats=stats,
                    max_concurrency=max_concurrency, max_backlog=max_backlog,
-                   name=source.backend_name)
+                   max_decode_tokens=max_decode_tokens, name=source.backend_name)
 
     # --- the API the source task uses ---------------------------------------------------------
 
@@ -220,8 +234,10 @@ class ChainResolver:
         """Decode, parse and key one chain (no de-duplication, no bound: `submit` adds those)."""
         if self.stats is not None:
             self.stats.detokenize_calls += 1
+        capped = len(req.tokens) > self.max_decode_tokens
+        tokens = req.tokens[: self.max_decode_tokens] if capped else req.tokens
         try:
-            text = await self.detokenizer.detokenize(req.tokens)
+            text = await self.detokenizer.detokenize(tokens)
         except DetokenizeError as exc:
             reason = exc.reason.value
             if self.stats is not None:
@@ -233,6 +249,10 @@ class ChainResolver:
                             count=self.counters[f"failed:{reason}"])
             return ResolveOutcome(req.head, ResolveStatus.FAILED, reason=reason)
         parsed = self.parser.parse_prompt(text, self.max_prefix_length)
+        if parsed.status is ResolveStatus.PENDING and capped:
+            self.counters[f"unattributed:{BEYOND_DECODE_LIMIT}"] += 1
+            return ResolveOutcome(req.head, ResolveStatus.UNATTRIBUTED,
+                                  reason=BEYOND_DECODE_LIMIT)
         if parsed.status is not ResolveStatus.RESOLVED:
             self.counters[f"{parsed.status.value}:{parsed.reason}" if parsed.reason
                           else parsed.status.value] += 1

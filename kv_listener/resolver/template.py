@@ -596,6 +596,11 @@ class PromptParser:
         return False
 
 
+#: The tiny ChatML tokenizer shipped for `continuum-kv-listener demo` (a copy of
+#: fixtures/tokenizers/chatml, built by fixtures/make_tokenizers.py).
+DEMO_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "data" / "demo-tokenizer"
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """A local tokenizer directory through `AutoTokenizer` (files only: never the Hub)."""
     from transformers import AutoTokenizer  # noqa: PLC0415 - see _lazy_transformers
