@@ -130,8 +130,11 @@ class ChainResolver:
             tokenizer = await asyncio.to_thread(load_tokenizer, source.tokenizer)
         detokenizer: Detokenizer
         if source.detokenize_endpoint is not None and source.engine is not Engine.TRTLLM:
+            # No "model" in the body: both engines default to the served base model, and the
+            # config's `model` is the router-facing name, which may be an alias the engine
+            # does not know (vLLM answers 404 for an unknown model name).
             detokenizer = HttpDetokenizer(source.detokenize_endpoint, source.engine,
-                                          model=source.model, session=session,
+                                          model=None, session=session,
                                           timeout_s=timeout_s, retries=retries)
         elif tokenizer is not None:
             detokenizer = LocalDetokenizer(tokenizer)
