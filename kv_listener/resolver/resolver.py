@@ -39,9 +39,9 @@ from kv_listener.resolver.detokenize import (
     tokenizer_info_url,
 )
 from kv_listener.resolver.template import (
+    NoKeyReason,
     PromptParser,
     TemplateProbeError,
-    UnattributedReason,
     build_prompt_parser,
     load_tokenizer,
 )
@@ -262,9 +262,9 @@ class ChainResolver:
             return ResolveOutcome(req.head, parsed.status, reason=parsed.reason)
         key = prefix_key(req.model, parsed.system_text, parsed.first_text, self.max_prefix_length)
         if key is None:
-            self.counters[f"unattributed:{UnattributedReason.NO_TEXT.value}"] += 1
+            self.counters[f"unattributed:{NoKeyReason.NO_TEXT.value}"] += 1
             return ResolveOutcome(req.head, ResolveStatus.UNATTRIBUTED,
-                                  reason=UnattributedReason.NO_TEXT.value)
+                                  reason=NoKeyReason.NO_TEXT.value)
         self.counters["resolved:S" if parsed.system_text else "resolved:M"] += 1
         if self.parser.trims_content(parsed):
             self.counters["resolved_trimming_template"] += 1

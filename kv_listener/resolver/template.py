@@ -73,7 +73,7 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_
                        "cls_token", "mask_token")
 
 
-class UnattributedReason(enum.StrEnum):
+class NoKeyReason(enum.StrEnum):
     """Why a decoded chain never gets a key. Values are metric labels."""
 
     NOT_CHAT = "not_chat"  # no chat layout (plain completions, or a layout we cannot read)
@@ -537,7 +537,7 @@ def _parse_system(layout: ChatLayout, form: SystemForm, cut: _Cut, start: int,
     # Empty or default system prompt: the key comes from the first user message (M rule).
     m = form.after.match(text, end, partial=True)
     if m is None:
-        return ParsedPrompt(ResolveStatus.UNATTRIBUTED, reason=UnattributedReason.NOT_CHAT.value,
+        return ParsedPrompt(ResolveStatus.UNATTRIBUTED, reason=NoKeyReason.NOT_CHAT.value,
                             layout=layout.name)
     if m.partial:
         return pending
@@ -551,7 +551,7 @@ def _parse_user(layout: ChatLayout, cut: _Cut, start: int, max_prefix_length: in
         return ParsedPrompt(ResolveStatus.PENDING, layout=layout.name)
     content, _complete, _end = got
     if not content:
-        return ParsedPrompt(ResolveStatus.UNATTRIBUTED, reason=UnattributedReason.NO_TEXT.value,
+        return ParsedPrompt(ResolveStatus.UNATTRIBUTED, reason=NoKeyReason.NO_TEXT.value,
                             layout=layout.name)
     return ParsedPrompt(ResolveStatus.RESOLVED, first_text=content, layout=layout.name)
 
@@ -583,9 +583,9 @@ class PromptParser:
             if parsed is not None:
                 return parsed
         if self.layout is None and _TEMPLATED_HEAD.match(cut.text):
-            reason = UnattributedReason.TEMPLATE_UNKNOWN
+            reason = NoKeyReason.TEMPLATE_UNKNOWN
         else:
-            reason = UnattributedReason.NOT_CHAT
+            reason = NoKeyReason.NOT_CHAT
         return ParsedPrompt(ResolveStatus.UNATTRIBUTED, reason=reason.value)
 
     def trims_content(self, parsed: ParsedPrompt) -> bool:
