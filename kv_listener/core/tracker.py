@@ -1,0 +1,1198 @@
+"""Per-source block-chain tracker: engine KV blocks in, router prefix transitions out (SPEC §4).
+
+Owns, for one source (one engine instance):
+
+- the block records (hash, parent, own token segment, chain length in tokens, media, resolution
+  state) and their bounds (`Limits`): the oldest records are pruned one by one;
+- the resolution of chains into prefix keys: by a verified cache salt on the chain's first block
+  (SPEC §3, no tokens needed), or by `ResolveRequest`s that the resolver answers with
+  `ResolveOutcome`s (detokenize + chat-template parsing happen outside, asynchronously);
+- per-key aggregates (attributed blocks, GPU blocks, longest attributed chain) and the
+  `PrefixTransition`s that describe how the set of live prefixes changes.
+
+Pure: no I/O, no clock, no logging. Once-per-source warnings are handed out by `take_notices`.
+
+Rules and choices, with the engine behaviour they come from (reference/wire-formats.md):
+
+- *Hash alone is the key.* A source is one engine instance; different data-parallel ranks are
+  different sources with their own sequence spaces, so `dp_rank` is not part of the key.
+- *One KV-cache group.* vLLM >= 0.20 hybrid models publish one `BlockStored` per KV-cache group for
+  the same token range (§2.5), with their own hashes and block sizes. Tracking several would
+  resolve every prompt once per group and mix block sizes in one chain, so the tracker locks onto
+  the first group that announces a full-attention kind (`full_attention`, `mla_attention`,
+  `sink_full_attention`, `unknown`) or no kind at all (vLLM 0.20-0.21); events of other groups
+  are skipped and counted (`group_skipped`). vLLM orders groups by the first layer of each type, so
+  group 0 is not necessarily full attention (Gemma 3 starts with sliding-window layers). Events
+  without `group_idx` (SGLang, TRT-LLM, vLLM < 0.20) are always tracked. A model whose only group
+  is sliding-window is therefore not tracked: its out-of-window blocks are freed and its chains
+  would not name a reusable prefix anyway.
+- *Token counts.* SGLang: `len(token_ids) == block_size * n`. vLLM full path: at least
+  `block_size * n`, in whole blocks: the tokens of masked / sliding blocks stay in `token_ids`
+  (§2.5); they are kept in order, the hashed blocks but the last take `block_size` each and the
+  last takes the rest, so the chain length at the event's last block is exact. vLLM partial path:
+  one hash, `block_size == hash_block_size`. TRT-LLM: one block per event, `block_size` = its own
+  token count (the decoder's normalization). An event whose non-empty token count does not fit
+  keeps chain lengths only (`len(token_ids)`, spread evenly over its hashes), drops its tokens,
+  counts `token_count_mismatch`, raises the `TOKEN_COUNT_MISMATCH` notice once, and its
+  descendants are unattributed (the block itself stays attributed when its parent was).
+- *Offload.* An event without tokens is a placeholder (vLLM offloading connector, 0.11+): it adds
+  its medium to hashes already known and is otherwise ignored (it carries no parent). Under a
+  known explicit parent (and a non-zero `block_size`) an unknown tokenless block grows the chain
+  by `block_size`. A `BlockStored` of a known hash adds its medium (SGLang `CPU_PINNED`,
+  self-describing vLLM offload events); `BlockUpdated` (TRT-LLM) moves a block to its new level;
+  `BlockRemoved` with a medium removes that medium only; a record goes when no medium holds it.
+- *Idempotence.* A known hash stored again (vLLM `kv_cache_report_mode="full"` re-announces
+  cached prefixes from token 0 with no parent, 0.26+) changes nothing but its media and age.
+- *Salts.* Only the chain's first stored block (no parent) counts: the `cache_salt` field
+  (SGLang >= 0.5.18, TRT-LLM PR #13051) or, for vLLM, a string starting with `crs1:` in the first
+  block's `extra_keys` entry, after the LoRA name (vLLM >= 0.17, untagged on the wire). With a
+  verifier configured: valid => the whole chain takes the key, no tokens kept; invalid => the
+  chain is discarded (`salt_rejected`). Without a verifier salts are ignored. Without
+  detokenization (`can_detokenize=False`: trtllm with no local tokenizer) a chain with no valid
+  salt is discarded.
+- *Resolution.* An unresolved chain asks once for its head (tokens root..head, at most
+  `max_chain_tokens`); blocks stored under it while the request is out join it and inherit the
+  answer, and so do blocks that fork from it (they wait for the answer instead of asking). A
+  `RESOLVED` outcome for tokens root..d attributes the chain's blocks whose chain length is >= d;
+  the shorter ones keep a copy of the tokens root..d in the chain object. A later branch that
+  forks below d is compared with those tokens: when it agrees through d it takes the key with no
+  request at all; when it diverges at q < d the tracker asks for root..q only (a *probe*), and a
+  probe that resolves to the same key tightens d to q for every later branch. That is how many
+  users who share a system prompt cost about two requests, not one each. A resolver that knows
+  how many leading tokens determine the key can say so (`key_tokens`), which saves the probe.
+  `PENDING` and `FAILED` leave the chain pending until it grows; `UNATTRIBUTED` discards it and
+  its descendants; a chain that reaches `max_chain_tokens` still pending is discarded.
+- *Memory.* A block keeps tokens only while they may be sent to the resolver (pending chains,
+  within `max_chain_tokens`); attributed and discarded blocks keep none. The record is an
+  `array('I')` subclass holding its own segment (4 bytes per token, no second object per block).
+  When `max_tracked_blocks` or `max_retained_tokens` is exceeded after an event, the least
+  recently stored records go first (a record is refreshed when stored again or when a child is
+  stored under it, so hot shared prefixes outlive cold tails); a prefix is evicted only when its
+  last attributed block goes.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, cast
+
+from kv_listener.config import Limits
+from kv_listener.core.decode import vllm_salt_candidates
+from kv_listener.core.model import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BlockUpdated,
+    CacheCreated,
+    Engine,
+    EventBatch,
+    PrefixTransition,
+    ResolveOutcome,
+    ResolveRequest,
+    ResolveStatus,
+    SourceCleared,
+    Tier,
+    TransitionKind,
+)
+
+SALT_PREFIX: Final = "crs1:"
+KEY_BYTES: Final = 32
+
+# Media of a record: bit 0 = GPU, bits 1..5 = storage media in the order first seen, bit 6 = any
+# further medium, bit 7 = TAINT (descendants unattributed). Staying below 256 keeps the value a
+# cached small int: no allocation per record.
+_GPU_BIT: Final = 0x01
+_OVERFLOW_BIT: Final = 0x40
+_TAINT: Final = 0x80
+_MEDIA: Final = 0x7F
+_FIRST_STORAGE_BIT: Final = 0x02
+
+_FULL_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention", "unknown"})
+
+# Chain status
+_PENDING: Final = 0
+_RESOLVED: Final = 1
+_DISCARDED: Final = 2
+_DEAD: Final = 3  # every block of a pending chain went before it was settled
+
+# What the last answer for a chain was
+_LAST_NONE: Final = 0
+_LAST_PENDING: Final = 1
+_LAST_FAILED: Final = 2
+
+# What a store does for a chain once all the event's blocks are in
+_STEP_GROW: Final = 0  # grew at its head
+_STEP_NEW: Final = 1  # a new pending chain (root, or branch under a pending chain)
+_STEP_COMPARE: Final = 2  # a branch under a resolved chain's pre-anchor block
+
+
+class UnattributedReason(enum.StrEnum):
+    """Why a chain was discarded (never gets a key). Values are metric labels."""
+
+    SALT_REJECTED = "salt_rejected"  # salt failed verification (forged, other backend)
+    NO_SALT = "no_salt"  # no valid salt and nothing can detokenize (trtllm without tokenizer)
+    RESOLVER = "resolver"  # the resolver answered UNATTRIBUTED (not a chat prompt, ...)
+    TOO_LONG = "too_long"  # still pending at max_chain_tokens
+    TOKENS_UNAVAILABLE = "tokens_unavailable"  # an ancestor went (pruned/evicted) before resolution
+    ORPHAN = "orphan"  # stored under a parent the tracker does not know
+    TOKEN_COUNT_MISMATCH = "token_count_mismatch"  # tokens did not fit the block size
+
+
+class TrackerNotice(enum.StrEnum):
+    """Conditions the edge should log once per source (`take_notices`)."""
+
+    TOKEN_COUNT_MISMATCH = "token_count_mismatch"
+    GROUP_SKIPPED = "group_skipped"
+    SALT_REJECTED = "salt_rejected"
+
+
+SaltVerifier = Callable[[str], bytes | None]
+
+
+class _Key:
+    """An interned prefix key and the aggregates of its attributed blocks."""
+
+    __slots__ = ("blocks", "gpu", "key", "lengths", "max_len", "prefix_hash")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.prefix_hash = key.hex()
+        self.blocks = 0  # attributed blocks retained
+        self.gpu = 0  # ... of which in GPU memory
+        self.lengths: dict[int, int] = {}  # chain length -> attributed blocks with it
+        self.max_len = 0
+
+    def tier(self) -> Tier:
+        return Tier.GPU_HOT if self.gpu else Tier.STORAGE_WARM
+
+    def add(self, chain_len: int, gpu: bool) -> None:
+        self.blocks += 1
+        if gpu:
+            self.gpu += 1
+        lengths = self.lengths
+        lengths[chain_len] = lengths.get(chain_len, 0) + 1
+        self.max_len = max(self.max_len, chain_len)
+
+    def remove(self, chain_len: int, gpu: bool) -> None:
+        self.blocks -= 1
+        if gpu:
+            self.gpu -= 1
+        lengths = self.lengths
+        left = lengths[chain_len] - 1
+        if left:
+            lengths[chain_len] = left
+            return
+        del lengths[chain_len]
+        if chain_len == self.max_len:
+            # O(distinct lengths of this key), only when its longest block goes.
+            self.max_len = max(lengths) if lengths else 0
+
+
+class _Chain:
+    """A path of blocks resolved together.
+
+    Pending: every block on the path from its first block to `head` has this chain as state and
+    keeps its tokens. Resolved: the blocks shorter than `d` (pre-anchor) keep this chain as state
+    and `tokens` holds root..d for comparing and probing later branches; the rest are attributed.
+    """
+
+    __slots__ = (
+        "anchor", "base", "d", "fork_at", "forks", "head", "inflight", "key", "last", "model",
+        "nblocks", "probe_q", "probing", "requested", "status", "tokens", "waiting", "wanted",
+    )
+
+    def __init__(self, model: str, fork_at: int | None = None) -> None:
+        self.model = model
+        self.status = _PENDING
+        self.head: int | None = None  # deepest block
+        self.nblocks = 0  # blocks whose state is this chain
+        self.fork_at = fork_at  # the block (of another chain) this one starts under
+        self.forks: list[_Chain] = []  # pending chains started under our blocks (while pending)
+        # request bookkeeping
+        self.inflight: int | None = None  # head of the outstanding request
+        self.requested = 0  # tokens sent in the last request
+        self.last = _LAST_NONE
+        self.wanted = False  # queued for take_resolve_requests
+        self.waiting = False  # waits for the answer of the chain it forked from
+        self.probe_q: int | None = None  # next request asks for root..probe_q only
+        self.probing = False  # the outstanding request is such a probe
+        self.base: _Chain | None = None  # resolved chain a probe may tighten
+        # resolution
+        self.key: bytes | None = None
+        self.d = 0  # tokens root..d determine the key
+        self.anchor: int | None = None  # shallowest attributed block of the chain
+        self.tokens: array[int] | None = None  # root..d while pre-anchor blocks exist
+
+    def busy(self) -> bool:
+        return self.inflight is not None or self.wanted or self.waiting
+
+
+_State = _Key | _Chain | None  # None: unattributed
+
+
+if TYPE_CHECKING:
+    _U32Array = array[int]
+else:  # array is not subscriptable at run time before Python 3.12
+    _U32Array = array
+
+
+class _Block(_U32Array):
+    """One tracked block. The record *is* its own token segment (`array('I')`): a separate array
+    object would cost 80 bytes per block, i.e. 5 more bytes per token at 16-token blocks.
+
+    Never test a record for truth (`if rec:` is False when it holds no tokens): use `is None`.
+    `older`/`newer` link the records in pruning order (least recently stored first).
+    """
+
+    __slots__ = ("chain_len", "hash", "media", "newer", "older", "parent", "state")
+
+    hash: int
+    parent: int | None
+    chain_len: int
+    media: int
+    state: _State
+    older: _Block | None
+    newer: _Block | None
+
+    def __new__(
+        cls, h: int, parent: int | None, chain_len: int, media: int, state: _State,
+        tokens: array[int] | None,
+    ) -> _Block:
+        # An array initializer of the same typecode is memcpy'd into an exact-size buffer.
+        self = cast(_Block, array.__new__(cls, "I", tokens) if tokens else array.__new__(cls, "I"))
+        self.hash = h
+        self.parent = parent
+        self.chain_len = chain_len
+        self.media = media
+        self.state = state
+        self.older = None
+        self.newer = None
+        return self
+
+
+def _even_split(total: int, n: int) -> list[int]:
+    q, r = divmod(total, n)
+    return [q] * (n - 1) + [q + r]
+
+
+def _common_prefix(a: array[int], b: array[int]) -> int:
+    """Length of the common prefix of two token arrays (slice compares run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; the first difference is in [lo, hi)
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    for i in range(lo, hi):
+        if a[i] != b[i]:
+            return i
+    return hi
+
+
+class Tracker:
+    """Bounded block-chain tracker of one source. Not thread-safe: one owner calls everything."""
+
+    _blocks: dict[int, _Block]  # hash -> record
+    _oldest: _Block | None  # pruning order: least recently stored first
+    _newest: _Block | None
+    _tokens: int  # tokens retained (block segments + resolved chains' copies)
+    _keys: dict[bytes, _Key]  # interned keys with attributed blocks (or touched this batch)
+    _touched: dict[_Key, tuple[bool, int, Tier]]  # key -> (live, token_count, tier) before
+    _want: list[_Chain]  # chains to ask for at the next take_resolve_requests
+    _inflight: dict[int, _Chain]  # request head -> chain
+    _n_pending: int
+    _group: int | None  # the KV-cache group tracked (None: not locked yet)
+
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        model: str,
+        limits: Limits,
+        salt_verifier: SaltVerifier | None = None,
+        can_detokenize: bool = True,
+    ) -> None:
+        self._engine = engine
+        self._model = model
+        self._max_chain = limits.max_chain_tokens
+        self._max_blocks = limits.max_tracked_blocks
+        self._max_tokens = limits.max_retained_tokens
+        self._verify = salt_verifier
+        self._can_detokenize = can_detokenize
+        self._media_bits: dict[str, int] = {MEDIUM_GPU: _GPU_BIT}
+        self._noticed: set[TrackerNotice] = set()
+        self._notices: list[TrackerNotice] = []
+        # counters (monotonic, survive clears)
+        self.salt_rejected = 0
+        self.token_count_mismatch = 0
+        self.unattributed = 0  # chains discarded (one per decision, descendants not recounted)
+        self.unattributed_reasons: Counter[str] = Counter()
+        self.pruned = 0  # records dropped to honour a bound
+        self.removed_unknown = 0  # BlockRemoved / BlockUpdated of a hash we do not track
+        self.placeholders_unknown = 0  # tokenless stores of unknown hashes, ignored
+        self.group_skipped = 0  # events of an untracked KV-cache group
+        self.resolve_requests = 0
+        self.resolve_failed = 0  # FAILED outcomes
+        self.stale_outcomes = 0  # outcomes for a chain no longer waiting for one
+        self.bad_outcomes = 0  # RESOLVED without a 32-byte key (treated as FAILED)
+        self.clears = 0
+        self._reset()
+
+    # --- public API -----------------------------------------------------------------------
+
+    @property
+    def blocks_tracked(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def tokens_retained(self) -> int:
+        """Tokens held in block segments and resolved chains' copies (4 bytes each)."""
+        return self._tokens
+
+    @property
+    def prefixes_live(self) -> int:
+        return len(self._keys)
+
+    @property
+    def pending(self) -> int:
+        """Chains waiting for a key (asking, waiting for growth, or waiting for an ancestor)."""
+        return self._n_pending
+
+    @property
+    def inflight(self) -> int:
+        """Requests handed out and not answered yet."""
+        return len(self._inflight)
+
+    def stats(self) -> dict[str, int]:
+        """Gauges and counters for /stats and metrics (plain ints)."""
+        return {
+            "blocks_tracked": self.blocks_tracked,
+            "tokens_retained": self.tokens_retained,
+            "prefixes_live": self.prefixes_live,
+            "pending": self.pending,
+            "inflight": self.inflight,
+            "salt_rejected": self.salt_rejected,
+            "token_count_mismatch": self.token_count_mismatch,
+            "unattributed": self.unattributed,
+            "pruned": self.pruned,
+            "removed_unknown": self.removed_unknown,
+            "placeholders_unknown": self.placeholders_unknown,
+            "group_skipped": self.group_skipped,
+            "resolve_requests": self.resolve_requests,
+            "resolve_failed": self.resolve_failed,
+            "stale_outcomes": self.stale_outcomes,
+            "bad_outcomes": self.bad_outcomes,
+            "clears": self.clears,
+        }
+
+    def apply(self, item: EventBatch | SourceCleared) -> list[PrefixTransition]:
+        """Apply one engine batch (events in order) or a source clear; return the transitions.
+
+        Bounds are enforced after each event. Transitions are computed per batch: a prefix that
+        appears and goes within one batch produces nothing; a clear supersedes what came before
+        it in the batch.
+        """
+        out: list[PrefixTransition] = []
+        if isinstance(item, SourceCleared):
+            self._clear(out)
+            return out
+        for ev in item.events:
+            if isinstance(ev, BlockStored):
+                self._on_stored(ev)
+            elif isinstance(ev, BlockRemoved):
+                self._on_removed(ev)
+            elif isinstance(ev, BlockUpdated):
+                self._on_updated(ev)
+            elif isinstance(ev, AllBlocksCleared | CacheCreated):
+                self._clear(out)
+                continue
+            self._enforce_bounds()
+        self._flush(out)
+        return out
+
+    def take_resolve_requests(self) -> list[ResolveRequest]:
+        """New work for the resolver: at most one request per unresolved chain, built now from
+        its current head (so a chain that grew since it was queued asks for all of it)."""
+        want, self._want = self._want, []
+        out: list[ResolveRequest] = []
+        for ch in want:
+            ch.wanted = False
+            if ch.status != _PENDING or ch.inflight is not None or ch.waiting:
+                continue
+            head = self._blocks.get(ch.head) if ch.head is not None else None
+            if head is None:
+                continue
+            limited = min(head.chain_len, self._max_chain)
+            if ch.probe_q is not None and ch.probe_q > limited:  # its branch lost blocks since
+                ch.probe_q = None
+                ch.base = None
+            n = ch.probe_q if ch.probe_q is not None else limited
+            if ch.probe_q is None and ch.last == _LAST_PENDING and limited <= ch.requested:
+                if limited >= self._max_chain:
+                    self._discard_chain(ch, UnattributedReason.TOO_LONG)
+                continue
+            tokens = self._collect(head, n)
+            if tokens is None or len(tokens) < n:
+                self._discard_chain(ch, UnattributedReason.TOKENS_UNAVAILABLE)
+                continue
+            ch.inflight = head.hash
+            ch.requested = n
+            ch.probing = ch.probe_q is not None
+            self._inflight[head.hash] = ch
+            out.append(ResolveRequest(head=head.hash, model=ch.model, tokens=tokens))
+        self.resolve_requests += len(out)
+        return out
+
+    def on_resolved(
+        self, outcome: ResolveOutcome, key_tokens: int | None = None
+    ) -> list[PrefixTransition]:
+        """Apply the resolver's answer to a request from `take_resolve_requests`.
+
+        `key_tokens` (optional; also read from an outcome attribute of that name): how many
+        leading tokens of the request already determine the key (end of the system / first
+        message content and its delimiter, or the `max_prefix_length` cut). It must be such that
+        resolving those tokens alone gives the same key; it lets later branches that share them
+        take the key without any request.
+        """
+        out: list[PrefixTransition] = []
+        if key_tokens is None:
+            hint = getattr(outcome, "key_tokens", None)
+            key_tokens = hint if isinstance(hint, int) else None
+        ch = self._inflight.pop(outcome.head, None)
+        if ch is None or ch.status != _PENDING or ch.inflight != outcome.head:
+            self.stale_outcomes += 1
+            return out
+        ch.inflight = None
+        probe = ch.probing
+        ch.probing = False
+        status = outcome.status
+        key = outcome.key
+        if status is ResolveStatus.RESOLVED and not (isinstance(key, bytes) and len(key) == KEY_BYTES):
+            self.bad_outcomes += 1
+            status = ResolveStatus.FAILED
+        if status is ResolveStatus.RESOLVED:
+            assert key is not None
+            d = ch.requested
+            if key_tokens is not None and not isinstance(key_tokens, bool) and 0 < key_tokens < d:
+                d = key_tokens
+            base = ch.base
+            self._resolve_chain(ch, key, d)
+            if probe and base is not None and base.key == key:
+                self._tighten(base, d)
+        elif probe and status is not ResolveStatus.FAILED:
+            # root..divergence alone did not give the key: ask again with the whole chain (its
+            # waiters keep waiting for that answer).
+            ch.probe_q = None
+            ch.base = None
+            self._want_request(ch)
+        elif status is ResolveStatus.UNATTRIBUTED:
+            self._discard_chain(ch, UnattributedReason.RESOLVER)
+        else:
+            if status is ResolveStatus.PENDING:
+                ch.last = _LAST_PENDING
+            else:
+                self.resolve_failed += 1
+                ch.last = _LAST_FAILED
+            self._release_waiters(ch, ask=status is ResolveStatus.PENDING)
+            self._after_answer(ch)
+        self._flush(out)
+        return out
+
+    def snapshot(self) -> dict[str, tuple[int, Tier]]:
+        """Live prefixes: prefix_hash -> (token_count, tier)."""
+        return {k.prefix_hash: (k.max_len, k.tier()) for k in self._keys.values() if k.blocks}
+
+    def take_notices(self) -> list[TrackerNotice]:
+        """Conditions seen since the last call, each reported once per tracker lifetime."""
+        out, self._notices = self._notices, []
+        return out
+
+    # --- state ----------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._blocks = {}
+        self._oldest = None
+        self._newest = None
+        self._tokens = 0
+        self._keys = {}
+        self._touched = {}
+        self._want = []
+        self._inflight = {}
+        self._n_pending = 0
+        self._group = None
+
+    def _clear(self, out: list[PrefixTransition]) -> None:
+        # Break the pruning links so the records are freed by reference counting at once.
+        cur = self._oldest
+        while cur is not None:
+            nxt = cur.newer
+            cur.older = cur.newer = None
+            cur = nxt
+        self._reset()
+        self.clears += 1
+        out.clear()  # anything earlier in this batch is superseded
+        out.append(PrefixTransition(TransitionKind.CLEARED))
+
+    def _notice(self, notice: TrackerNotice) -> None:
+        if notice not in self._noticed:
+            self._noticed.add(notice)
+            self._notices.append(notice)
+
+    def _medium_bit(self, medium: str | None) -> int:
+        if medium is None:
+            return _GPU_BIT  # engines before the medium field: GPU
+        bit = self._media_bits.get(medium)
+        if bit is None:
+            n = len(self._media_bits)  # GPU + storage media seen so far
+            bit = _FIRST_STORAGE_BIT << (n - 1) if n <= 5 else _OVERFLOW_BIT
+            if n <= 5:
+                self._media_bits[medium] = bit
+        return bit
+
+    def _accept_group(self, group: int, kind: str | None) -> bool:
+        if self._group is None:
+            if kind is None or kind in _FULL_KINDS:
+                self._group = group
+                return True
+            return False
+        return group == self._group
+
+    # --- pruning order (doubly linked, least recently stored first) -------------------------
+
+    def _link(self, rec: _Block) -> None:
+        newest = self._newest
+        rec.older = newest
+        rec.newer = None
+        if newest is None:
+            self._oldest = rec
+        else:
+            newest.newer = rec
+        self._newest = rec
+
+    def _unlink(self, rec: _Block) -> None:
+        older, newer = rec.older, rec.newer
+        if older is None:
+            self._oldest = newer
+        else:
+            older.newer = newer
+        if newer is None:
+            self._newest = older
+        else:
+            newer.older = older
+        rec.older = rec.newer = None
+
+    def _refresh(self, rec: _Block) -> None:
+        if rec is not self._newest:
+            self._unlink(rec)
+            self._link(rec)
+
+    def _enforce_bounds(self) -> None:
+        while len(self._blocks) > self._max_blocks or self._tokens > self._max_tokens:
+            victim = self._oldest
+            if victim is None:
+                break
+            self._remove(victim)
+            self.pruned += 1
+
+    # --- per-key aggregates and transitions -----------------------------------------------
+
+    def _intern(self, key: bytes) -> _Key:
+        k = self._keys.get(key)
+        if k is None:
+            k = self._keys[key] = _Key(key)
+            self._touch_key(k)  # so that a key that never gets a block is dropped at flush
+        return k
+
+    def _touch_key(self, k: _Key) -> None:
+        if k not in self._touched:
+            self._touched[k] = (k.blocks > 0, k.max_len, k.tier())
+
+    def _flush(self, out: list[PrefixTransition]) -> None:
+        for k, (was_live, old_len, old_tier) in self._touched.items():
+            if k.blocks:
+                tier = k.tier()
+                if not was_live:
+                    out.append(PrefixTransition(TransitionKind.CREATED, k.prefix_hash, k.max_len, tier))
+                elif tier is not old_tier:
+                    out.append(PrefixTransition(TransitionKind.TIER, k.prefix_hash, k.max_len, tier))
+                elif k.max_len != old_len:
+                    out.append(
+                        PrefixTransition(TransitionKind.TOKEN_COUNT, k.prefix_hash, k.max_len, tier)
+                    )
+            else:
+                if was_live:
+                    out.append(PrefixTransition(TransitionKind.EVICTED, k.prefix_hash))
+                if self._keys.get(k.key) is k:
+                    del self._keys[k.key]
+        self._touched.clear()
+
+    def _attribute(self, rec: _Block, k: _Key) -> None:
+        """Attribute a record (new or pre-anchor) to `k`; its tokens are no longer needed."""
+        self._touch_key(k)
+        rec.state = k
+        k.add(rec.chain_len, bool(rec.media & _GPU_BIT))
+        self._drop_tokens(rec)
+
+    def _set_media(self, rec: _Block, media: int) -> None:
+        old = rec.media
+        if old == media:
+            return
+        st = rec.state
+        if isinstance(st, _Key) and (old ^ media) & _GPU_BIT:
+            self._touch_key(st)
+            st.gpu += 1 if media & _GPU_BIT else -1
+        rec.media = media
+
+    def _drop_tokens(self, rec: _Block) -> None:
+        n = len(rec)
+        if n:
+            self._tokens -= n
+            del rec[:]  # frees the buffer
+
+    def _new_block(
+        self, h: int, parent: int | None, chain_len: int, media: int, state: _State,
+        tokens: array[int] | None,
+    ) -> _Block:
+        rec = _Block(h, parent, chain_len, media, None, tokens)
+        self._blocks[h] = rec
+        self._link(rec)
+        self._tokens += len(rec)
+        if isinstance(state, _Key):
+            self._attribute(rec, state)
+        elif isinstance(state, _Chain):
+            rec.state = state
+            state.nblocks += 1
+            state.head = h
+        return rec
+
+    def _remove(self, rec: _Block) -> None:
+        self._unlink(rec)
+        del self._blocks[rec.hash]
+        self._drop_tokens(rec)
+        st = rec.state
+        if isinstance(st, _Key):
+            self._touch_key(st)
+            st.remove(rec.chain_len, bool(rec.media & _GPU_BIT))
+        elif isinstance(st, _Chain):
+            self._chain_lost_block(st, rec)
+
+    # --- events ---------------------------------------------------------------------------
+
+    def _split(self, n: int, total: int, block_size: int) -> list[int] | None:
+        """Tokens per hashed block, or None when the count does not fit the engine's rule."""
+        if block_size <= 0:
+            if n == 1:
+                return [total]
+            return [total // n] * n if total % n == 0 else None
+        full = block_size * n
+        engine = self._engine
+        if engine is Engine.SGLANG:
+            ok = total == full
+        elif engine is Engine.VLLM:
+            ok = total >= full and total % block_size == 0
+        else:  # TRT-LLM: the last block of an event may be partial (§4.2)
+            ok = full - block_size < total <= full
+        if not ok:
+            return None
+        return [block_size] * (n - 1) + [total - block_size * (n - 1)]
+
+    def _salt_of(self, ev: BlockStored) -> str | None:
+        if self._engine is Engine.VLLM:
+            if ev.cache_salt is not None and ev.cache_salt.startswith(SALT_PREFIX):
+                return ev.cache_salt
+            for s in reversed(vllm_salt_candidates(ev)):  # the salt comes last (§2.6)
+                if s.startswith(SALT_PREFIX):
+                    return s
+            return None
+        return ev.cache_salt
+
+    def _on_stored(self, ev: BlockStored) -> None:
+        hashes = ev.block_hashes
+        n = len(hashes)
+        if n == 0:
+            return
+        if ev.group_idx is not None and not self._accept_group(ev.group_idx, ev.kv_cache_spec_kind):
+            self.group_skipped += 1
+            self._notice(TrackerNotice.GROUP_SKIPPED)
+            return
+        blocks = self._blocks
+        bit = self._medium_bit(ev.medium)
+        prev: _Block | None = None
+        if ev.parent_hash is not None:
+            prev = blocks.get(ev.parent_hash)
+            if prev is not None:
+                self._refresh(prev)  # a child under it: it is in use
+        tokens = ev.token_ids
+        total = len(tokens)
+        if total == 0:
+            self._on_tokenless(ev, prev, bit)
+            return
+        seglens = self._split(n, total, ev.block_size)
+        mismatch = seglens is None or tokens.typecode != "I"
+        if seglens is None or mismatch:
+            self.token_count_mismatch += 1
+            self._notice(TrackerNotice.TOKEN_COUNT_MISMATCH)
+            seglens = _even_split(total, n)
+        media = bit | (_TAINT if mismatch else 0)
+        model = ev.lora_name or self._model
+        max_chain = self._max_chain
+        offset = 0
+        # chains this event started or extended -> what to do once all its blocks are in
+        todo: dict[_Chain, int] = {}
+        for i in range(n):
+            h = hashes[i]
+            seglen = seglens[i]
+            rec = blocks.get(h)
+            if rec is not None:  # stored again: idempotent, adds its medium, refreshes its age
+                self._set_media(rec, rec.media | bit)
+                self._refresh(rec)
+                prev = rec
+                offset += seglen
+                continue
+            parent_len = 0 if prev is None else prev.chain_len
+            state, reason, step = self._place(ev, prev, i, model, mismatch)
+            keep = min(seglen, max(0, max_chain - parent_len)) if isinstance(state, _Chain) else 0
+            rec = self._new_block(
+                h, ev.parent_hash if prev is None else prev.hash, parent_len + seglen, media,
+                state, tokens[offset : offset + keep] if keep else None,
+            )
+            if reason is not None:
+                self._count_unattributed(reason)
+            if step is not None and isinstance(state, _Chain) and state not in todo:
+                todo[state] = step
+            prev = rec
+            offset += seglen
+        for ch, step in todo.items():
+            if ch.status != _PENDING:
+                continue
+            if step == _STEP_COMPARE:
+                self._match_resolved_fork(ch)
+            elif step == _STEP_NEW:
+                if not ch.waiting:
+                    self._want_request(ch)
+            else:
+                self._on_growth(ch)
+
+    def _place(
+        self, ev: BlockStored, prev: _Block | None, i: int, model: str, mismatch: bool
+    ) -> tuple[_State, UnattributedReason | None, int | None]:
+        """State of a new block under `prev`: (state, reason to count if discarded, next step)."""
+        if prev is None:
+            if i == 0 and ev.parent_hash is None:
+                return self._root_state(ev, model, mismatch)
+            return None, UnattributedReason.ORPHAN, None
+        if prev.media & _TAINT:
+            return None, None, None  # under a block whose tokens did not fit
+        st = prev.state
+        if isinstance(st, _Key):
+            return st, None, None
+        if not isinstance(st, _Chain):
+            return None, None, None  # under an unattributed block
+        if st.status == _PENDING:
+            if mismatch:
+                return None, UnattributedReason.TOKEN_COUNT_MISMATCH, None
+            if st.head == prev.hash:
+                return st, None, _STEP_GROW
+            # A branch under a chain being resolved waits for its answer (SPEC §4: one call per
+            # distinct chain); under an idle pending chain it asks for itself.
+            fork = self._new_chain(model, prev.hash)
+            st.forks.append(fork)
+            fork.waiting = st.busy()
+            return fork, None, _STEP_NEW
+        if st.status == _RESOLVED and st.key is not None:
+            if prev.chain_len >= st.d:  # tightened below it after it was stored
+                k = self._intern(st.key)
+                self._attribute(prev, k)
+                self._chain_lost_block(st, prev)
+                return k, None, None
+            if mismatch:
+                return None, UnattributedReason.TOKEN_COUNT_MISMATCH, None
+            return self._new_chain(model, prev.hash), None, _STEP_COMPARE
+        return None, None, None  # under a discarded chain
+
+    def _root_state(
+        self, ev: BlockStored, model: str, mismatch: bool
+    ) -> tuple[_State, UnattributedReason | None, int | None]:
+        """State of a new first block of a chain (no parent): the salt decides first."""
+        if self._verify is not None:
+            salt = self._salt_of(ev)
+            if salt is not None:
+                key = self._verify(salt)
+                if isinstance(key, bytes) and len(key) == KEY_BYTES:
+                    return self._intern(key), None, None
+                self.salt_rejected += 1
+                self._notice(TrackerNotice.SALT_REJECTED)
+                return None, UnattributedReason.SALT_REJECTED, None
+        if not self._can_detokenize:
+            return None, UnattributedReason.NO_SALT, None
+        if mismatch:
+            return None, UnattributedReason.TOKEN_COUNT_MISMATCH, None
+        return self._new_chain(model, None), None, _STEP_NEW
+
+    def _new_chain(self, model: str, fork_at: int | None) -> _Chain:
+        self._n_pending += 1
+        return _Chain(model, fork_at)
+
+    def _on_tokenless(self, ev: BlockStored, prev: _Block | None, bit: int) -> None:
+        """Placeholder stores (offload) and tokenless blocks."""
+        blocks = self._blocks
+        chainable = ev.parent_hash is not None and prev is not None and ev.block_size > 0
+        for h in ev.block_hashes:
+            rec = blocks.get(h)
+            if rec is not None:
+                self._set_media(rec, rec.media | bit)
+                self._refresh(rec)
+                prev = rec
+                continue
+            if not chainable or prev is None:
+                self.placeholders_unknown += 1
+                prev = None
+                continue
+            # No tokens: only an attributed chain can continue (by block_size, §4).
+            st = prev.state
+            state: _State = st if isinstance(st, _Key) and not prev.media & _TAINT else None
+            prev = self._new_block(h, prev.hash, prev.chain_len + ev.block_size, bit, state, None)
+
+    def _on_removed(self, ev: BlockRemoved) -> None:
+        if ev.group_idx is not None and self._group is not None and ev.group_idx != self._group:
+            self.group_skipped += 1
+            return
+        blocks = self._blocks
+        bit = None if ev.medium is None else self._medium_bit(ev.medium)
+        for h in ev.block_hashes:
+            rec = blocks.get(h)
+            if rec is None:
+                self.removed_unknown += 1
+                continue
+            if bit is None:
+                self._remove(rec)
+                continue
+            if not rec.media & bit:
+                continue  # not held in that medium
+            media = rec.media & ~bit
+            if media & _MEDIA:
+                self._set_media(rec, media)
+            else:
+                self._remove(rec)
+
+    def _on_updated(self, ev: BlockUpdated) -> None:
+        rec = self._blocks.get(ev.block_hash)
+        if rec is None:
+            self.removed_unknown += 1
+            return
+        new_bit = self._medium_bit(ev.new_medium)
+        if ev.old_medium is None:
+            # Old level not reported: TRT-LLM blocks live in one level at a time.
+            media = (rec.media & _TAINT) | new_bit
+        else:
+            media = (rec.media & ~self._medium_bit(ev.old_medium)) | new_bit
+        self._set_media(rec, media)
+
+    # --- chains ---------------------------------------------------------------------------
+
+    def _count_unattributed(self, reason: UnattributedReason) -> None:
+        self.unattributed += 1
+        self.unattributed_reasons[reason.value] += 1
+
+    def _want_request(self, ch: _Chain) -> None:
+        if not ch.wanted:
+            ch.wanted = True
+            self._want.append(ch)
+
+    def _on_growth(self, ch: _Chain) -> None:
+        """A block joined the head of pending `ch`."""
+        if ch.busy():
+            return  # the outstanding answer covers it
+        head = self._blocks.get(ch.head) if ch.head is not None else None
+        if head is None:
+            return
+        limited = min(head.chain_len, self._max_chain)
+        if ch.probe_q is None and ch.last == _LAST_PENDING and limited <= ch.requested:
+            if limited >= self._max_chain:
+                self._discard_chain(ch, UnattributedReason.TOO_LONG)
+            return
+        self._want_request(ch)
+
+    def _after_answer(self, ch: _Chain) -> None:
+        """After PENDING / FAILED: ask again at once if the chain grew meanwhile."""
+        head = self._blocks.get(ch.head) if ch.head is not None else None
+        if head is None:
+            return
+        limited = min(head.chain_len, self._max_chain)
+        if limited > ch.requested:
+            self._want_request(ch)
+        elif ch.last == _LAST_PENDING and limited >= self._max_chain:
+            self._discard_chain(ch, UnattributedReason.TOO_LONG)
+
+    def _release_waiters(self, ch: _Chain, *, ask: bool) -> None:
+        """Forks waiting for `ch`'s answer learn nothing from it: they ask themselves (PENDING)
+        or wait for their own growth (FAILED: do not multiply calls to a failing resolver)."""
+        keep: list[_Chain] = []
+        for w in ch.forks:
+            if w.status != _PENDING:
+                continue
+            keep.append(w)
+            if w.waiting:
+                w.waiting = False
+                if ask:
+                    self._want_request(w)
+        ch.forks = keep
+
+    def _chain_blocks(self, ch: _Chain) -> list[_Block]:
+        """The chain's blocks, deepest first."""
+        out: list[_Block] = []
+        blocks = self._blocks
+        cur = blocks.get(ch.head) if ch.head is not None else None
+        while cur is not None and cur.state is ch:
+            out.append(cur)
+            cur = blocks.get(cur.parent) if cur.parent is not None else None
+        return out
+
+    def _collect(self, rec: _Block, n: int) -> array[int] | None:
+        """The first `n` tokens of the chain root..rec, or None when some are gone."""
+        blocks = self._blocks
+        max_chain = self._max_chain
+        segs: list[array[int]] = []
+        cur = rec
+        while True:
+            st = cur.state
+            if not isinstance(st, _Chain):
+                return None
+            if st.status == _RESOLVED:
+                ref = st.tokens
+                if ref is None or len(ref) < min(cur.chain_len, max_chain):
+                    return None
+                segs.append(ref[: min(cur.chain_len, max_chain)])
+                break
+            if st.status != _PENDING:
+                return None
+            parent: _Block | None = None
+            parent_len = 0
+            if cur.parent is not None:
+                parent = blocks.get(cur.parent)
+                if parent is None:
+                    return None
+                parent_len = parent.chain_len
+            if len(cur) != min(cur.chain_len, max_chain) - min(parent_len, max_chain):
+                return None
+            if len(cur):
+                segs.append(cur)
+            if parent is None:
+                break
+            cur = parent
+        out: array[int] = array("I")
+        for s in reversed(segs):
+            out.extend(s)
+        if len(out) > n:
+            del out[n:]
+        return out
+
+    def _fork_tokens(self, w: _Chain) -> tuple[_Block, array[int]] | None:
+        """The fork block and `w`'s own tokens after it, or None when its path is broken."""
+        path = self._chain_blocks(w)
+        if not path or path[-1].parent != w.fork_at or w.fork_at is None:
+            return None
+        fork = self._blocks.get(w.fork_at)
+        if fork is None:
+            return None
+        toks: array[int] = array("I")
+        for r in reversed(path):
+            toks.extend(r)
+        return fork, toks
+
+    def _match_resolved_fork(self, w: _Chain) -> None:
+        """`w` starts under a pre-anchor block of a resolved chain: compare, then take its key,
+        probe at the divergence, or ask with the whole chain."""
+        fork = self._blocks.get(w.fork_at) if w.fork_at is not None else None
+        base = fork.state if fork is not None else None
+        if not isinstance(base, _Chain) or base.status != _RESOLVED or base.key is None:
+            self._ask_alone(w)
+            return
+        d = self._compare(w, base)
+        if d is not None:
+            self._resolve_chain(w, base.key, d)
+
+    def _compare(self, w: _Chain, base: _Chain) -> int | None:
+        """Compare branch `w` with resolved `base`'s tokens root..d. Returns d when `w` agrees
+        through it (the caller settles `w`); otherwise schedules a probe at the first differing
+        token, or a request with the whole chain when no difference is known, and returns None.
+        """
+        got = self._fork_tokens(w)
+        ref = base.tokens
+        if got is None or ref is None:
+            self._ask_alone(w)
+            return None
+        fork, toks = got
+        c0 = fork.chain_len
+        d = base.d
+        span = min(d, len(ref)) - c0
+        if span <= 0:
+            self._ask_alone(w)
+            return None
+        common = _common_prefix(ref[c0 : c0 + span], toks)
+        if common == d - c0:
+            return d
+        if common < len(toks) and common < span and w.inflight is None:
+            w.base = base
+            w.probe_q = c0 + common
+        self._ask_alone(w)
+        return None
+
+    def _ask_alone(self, w: _Chain) -> None:
+        w.waiting = False
+        if w.inflight is None:
+            self._want_request(w)
+
+    def _resolve_chain(self, chain: _Chain, key: bytes, d: int) -> None:
+        """Settle `chain` as resolved at d, and through it the branches that waited for it."""
+        k = self._intern(key)
+        work = [(chain, d)]
+        while work:
+            ch, d = work.pop()
+            if ch.status != _PENDING:
+                continue
+            recs = self._chain_blocks(ch)
+            tokens = None
+            if recs and recs[-1].chain_len < d:  # some blocks stay pre-anchor: keep root..d
+                tokens = self._collect(recs[0], min(d, recs[0].chain_len, self._max_chain))
+                if tokens is not None:
+                    tokens = array("I", tokens)  # exact size
+                    self._tokens += len(tokens)
+            ch.status = _RESOLVED
+            self._n_pending -= 1
+            self._cancel_request(ch)
+            ch.key = key
+            ch.d = d
+            ch.tokens = tokens
+            anchor: _Block | None = None
+            for r in recs:
+                if r.chain_len >= d:
+                    self._attribute(r, k)
+                    ch.nblocks -= 1
+                    anchor = r
+                else:
+                    self._drop_tokens(r)  # `ch.tokens` has them
+            ch.anchor = None if anchor is None else anchor.hash
+            if ch.nblocks == 0:
+                self._free_chain_tokens(ch)
+            forks, ch.forks = ch.forks, []
+            for w in forks:
+                if w.status != _PENDING:
+                    continue
+                fork = self._blocks.get(w.fork_at) if w.fork_at is not None else None
+                if fork is not None and fork.state is k:  # under an attributed block
+                    work.append((w, 0))
+                elif fork is not None and fork.state is ch:
+                    wd = self._compare(w, ch)
+                    if wd is not None:
+                        work.append((w, wd))
+                else:
+                    self._ask_alone(w)
+
+    def _tighten(self, ch: _Chain, d: int) -> None:
+        """A probe showed that root..d (d < ch.d) already determines `ch`'s key."""
+        if ch.status != _RESOLVED or ch.key is None or d >= ch.d:
+            return
+        k = self._intern(ch.key)
+        ch.d = d
+        if ch.tokens is not None and len(ch.tokens) > d:
+            self._tokens -= len(ch.tokens) - d
+            ch.tokens = ch.tokens[:d]
+        blocks = self._blocks
+        anchor = blocks.get(ch.anchor) if ch.anchor is not None else None
+        if anchor is not None:
+            cur = blocks.get(anchor.parent) if anchor.parent is not None else None
+            while cur is not None and cur.state is ch and cur.chain_len >= d:
+                parent = cur.parent
+                self._attribute(cur, k)
+                ch.nblocks -= 1
+                ch.anchor = cur.hash
+                cur = blocks.get(parent) if parent is not None else None
+        # Pre-anchor blocks not reachable from the anchor are attributed when a child arrives.
+        if ch.nblocks == 0:
+            self._free_chain_tokens(ch)
+
+    def _discard_chain(
+        self, chain: _Chain, reason: UnattributedReason, *, count: bool = True
+    ) -> None:
+        """Settle `chain` and every pending chain under it as unattributed."""
+        if chain.status != _PENDING:
+            return
+        if count:
+            self._count_unattributed(reason)
+        work = [chain]
+        while work:
+            ch = work.pop()
+            if ch.status != _PENDING:
+                continue
+            ch.status = _DISCARDED
+            self._n_pending -= 1
+            self._cancel_request(ch)
+            for r in self._chain_blocks(ch):
+                r.state = None
+                ch.nblocks -= 1
+                self._drop_tokens(r)
+            work.extend(ch.forks)
+            ch.forks = []
+
+    def _cancel_request(self, ch: _Chain) -> None:
+        if ch.inflight is not None:
+            if self._inflight.get(ch.inflight) is ch:
+                del self._inflight[ch.inflight]
+            ch.inflight = None
+        ch.waiting = False
+        ch.base = None
+        ch.probe_q = None
+        ch.probing = False
+
+    def _free_chain_tokens(self, ch: _Chain) -> None:
+        if ch.tokens is not None:
+            self._tokens -= len(ch.tokens)
+            ch.tokens = None
+
+    def _chain_lost_block(self, ch: _Chain, rec: _Block) -> None:
+        """`rec` (state `ch`) was removed or pruned (already out of `_blocks`), or attributed."""
+        ch.nblocks -= 1
+        if ch.status == _RESOLVED:
+            if ch.nblocks == 0:
+                self._free_chain_tokens(ch)
+            return
+        if ch.status != _PENDING:
+            return
+        blocks = self._blocks
+        lost = {rec.hash}
+        if ch.head != rec.hash:
+            # A block in the middle went: the blocks below it lost their path to the root.
+            below = self._chain_blocks(ch)  # stops at the gap `rec` left
+            for r in below:
+                r.state = None
+                ch.nblocks -= 1
+                self._drop_tokens(r)
+                lost.add(r.hash)
+            if below:
+                self._count_unattributed(UnattributedReason.TOKENS_UNAVAILABLE)
+        parent = blocks.get(rec.parent) if rec.parent is not None else None
+        ch.head = parent.hash if parent is not None and parent.state is ch else None
+        cut = [w for w in ch.forks if w.fork_at in lost or ch.head is None]
+        ch.forks = [w for w in ch.forks if w.status == _PENDING and w not in cut]
+        self._discard_lost(cut)
+        if ch.head is None:
+            ch.status = _DEAD
+            self._n_pending -= 1
+            self._cancel_request(ch)
+
+    def _discard_lost(self, forks: list[_Chain]) -> None:
+        """Branches whose fork block went: no path to the root, so nothing to resolve."""
+        live = [w for w in forks if w.status == _PENDING]
+        if live:
+            self._count_unattributed(UnattributedReason.TOKENS_UNAVAILABLE)
+        for w in live:
+            self._discard_chain(w, UnattributedReason.TOKENS_UNAVAILABLE, count=False)
