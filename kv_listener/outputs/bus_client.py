@@ -131,6 +131,7 @@ class BusClientStats:
     connected: bool = False  # a session is welcome now
     session_id: str | None = None
     last_welcome_at: float | None = None  # monotonic
+    next_retry_in_s: float | None = None  # the backoff delay being waited, None otherwise
 
 
 # --- the network seam -----------------------------------------------------------------------
@@ -592,8 +593,18 @@ class BusClient:
         self._stopped = asyncio.Event()
         self._stopped.set()
         self.welcomed = asyncio.Event()  # set while a session is welcome (tests, readiness)
+        self._changed = asyncio.Event()  # replaced on every set: "stats changed"
 
     # --- public ---
+
+    async def wait_stats(self, predicate: Callable[[BusClientStats], bool]) -> None:
+        """Return once `predicate(stats)` holds (checked after every change of the counters)."""
+        while not predicate(self.stats):
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     @property
     def announced(self) -> tuple[str, ...] | None:
@@ -646,14 +657,18 @@ class BusClient:
                     break
                 if failure is BusFailure.RELOAD:
                     log.info("bus_reconnect_for_reload")
+                    self._notify()
                     continue
                 if session_welcomed_for >= BACKOFF_RESET_AFTER_S:
                     self._backoff.reset()
                 delay = self._backoff.next_delay()
+                self.stats.next_retry_in_s = delay
+                self._notify()
                 log.warning("bus_session_lost", reason=failure.value, retry_in_s=round(delay, 3))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):
                         await self._wakeup.wait()
+                self.stats.next_retry_in_s = None
         finally:
             self._running = False
             self._stopped.set()
@@ -768,6 +783,7 @@ class BusClient:
             self.stats.session_id = first.session_id
             self.stats.last_welcome_at = session.welcomed_at
             self.welcomed.set()
+            self._notify()
             log.info("bus_session_welcome", session_id=first.session_id, sources=list(sources))
             for line in lines:
                 self._on_line(session, line)
@@ -779,6 +795,7 @@ class BusClient:
     async def _session_loop(self, session: _Session, sid: int, splitter: bp.LineSplitter) -> None:
         conn = session.conn
         wake = asyncio.create_task(self._wakeup.wait())
+        read: asyncio.Task[bytes | None] | None = None
         try:
             while True:
                 read = asyncio.create_task(conn.read(sid))
@@ -804,12 +821,17 @@ class BusClient:
                     self._on_line(session, line)
         finally:
             wake.cancel()
+            if read is not None:
+                # Cancelled from outside mid-read: the read fails once the connection closes.
+                read.cancel()
+                read.add_done_callback(_retrieve)
 
     def _decode(self, line: bytes) -> bp.RouterMessage | None:
         try:
             return bp.decode_message(line)
         except BusProtocolError as exc:
             self.stats.protocol_errors[exc.reason.value] += 1
+            self._notify()
             if exc.reason is not BusProtocolErrorReason.UNKNOWN_TYPE:
                 log.warning("bus_bad_session_line", reason=exc.reason.value)
             return None
@@ -844,13 +866,13 @@ class BusClient:
                                         name=f"bus-push-{msg.announced_source}")
 
     async def _end_session(self, session: _Session) -> None:
-        for push in session.pushes.values():
-            if push.task is not None and not push.task.done():
-                push.task.cancel()
-        for push in session.pushes.values():
-            if push.task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await push.task
+        # A list: each push removes itself from `session.pushes` when it ends.
+        tasks = [p.task for p in list(session.pushes.values()) if p.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await session.conn.close()
 
     # --- one pushed stream ---
@@ -867,6 +889,7 @@ class BusClient:
                 self._target.base_path + bp.stream_path(sub.stream_id),
                 self._headers(token, b"text/event-stream"))
             self.stats.streams_opened += 1
+            self._notify()
             if self._draining:
                 # Subscribed while shutting down: the answer a new consumer gets is `draining`.
                 await conn.send_data(sid, encode_control(ControlEvent.DRAINING, sub.announced_source),
@@ -901,6 +924,7 @@ class BusClient:
             raise
         finally:
             self.stats.streams_ended[end.value] += 1
+            self._notify()
             if iterator is not None:
                 aclose = getattr(iterator, "aclose", None)
                 if aclose is not None:
@@ -972,6 +996,11 @@ class BusClient:
             return read_secret(self.config.credential_file, self.config.credential_env)
         except ConfigError as exc:
             raise BusError(BusFailure.CONFIG, str(exc)) from None
+
+
+def _retrieve(task: asyncio.Task[bytes | None]) -> None:
+    if not task.cancelled():
+        task.exception()  # marks it retrieved: its failure is the session's, already handled
 
 
 def _refusal(status: int, body: bytes) -> BusError:
