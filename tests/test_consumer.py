@@ -7,12 +7,17 @@ records the delays (no real backoff waiting); conditions are awaited on queues w
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import json
 import socket
 import ssl
+import sys
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import aiohttp
@@ -25,9 +30,11 @@ from structlog.testing import capture_logs
 from kv_listener.core.eventlog import Record, RecordEvent, parse_event_id
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import ControlEvent, encode_control, encode_record
+from kv_listener.outputs.bus_client import BusClient
 from kv_listener.outputs.sse_server import create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.admin import SourceStatus
+from kv_listener.router.bus_server import NoSession
 from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.consumer import (
     Backoff,
@@ -38,6 +45,9 @@ from kv_listener.router.consumer import (
 )
 from kv_listener.router.index import Holder, InMemoryKvIndex
 from kv_listener.router.metrics import RouterMetrics
+from tests.conftest import FIXTURES
+from tests.support.bus import TOKEN_A, listener_config, running_server, write_token
+from tests.support.tls import TlsMaterial
 
 B = "vllm-1"
 P1 = "1" * 64
@@ -790,3 +800,136 @@ async def test_against_the_listener_sse_server_into_a_real_index() -> None:
         await hub.drain(timeout_s=1)
         await server.stop()
         hub.close()
+
+
+# --- push mode: the golden stream, and the whole way over the real event bus --------------------
+
+
+def _load_golden_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("make_push_golden", FIXTURES / "make_push_golden.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("make_push_golden", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+golden = _load_golden_script()
+
+
+def expected_golden_records() -> list[dict[str, Any]]:
+    """The golden file's prefix records as the consumer hands them on (`as_dict()`)."""
+    return [{**data, "id": id_} for event, id_, data in golden.EXPECTED if event != "draining"]
+
+
+@pytest.mark.parametrize("split", [1, 7, 1 << 20])
+async def test_golden_push_stream_parses_the_same_over_both_transports(split: int) -> None:
+    """fixtures/push_stream_golden.sse (the listener's exact bytes, SPEC §7), cut into chunks of
+    `split` bytes, through the event bus and through SSE over HTTP: the same records, ending with
+    `draining` and an immediate re-request with the last ID."""
+    data = golden.GOLDEN.read_bytes()
+    chunks: list[bytes | str] = [data[i:i + split] for i in range(0, len(data), split)]
+    bus_calls: list[str | None] = []
+
+    async def pushed() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            assert isinstance(chunk, bytes)
+            yield chunk
+
+    def open_announced_stream(backend: str, last_event_id: str | None) -> AsyncIterator[bytes]:
+        bus_calls.append(last_event_id)
+        if len(bus_calls) > 1:
+            raise NoSession(backend)  # the real server's error: the draining session is gone
+        return pushed()
+
+    bus_records: list[dict[str, Any]] = []
+    sse_records: list[dict[str, Any]] = []
+
+    async def to_bus_list(record: PrefixRecord) -> None:
+        bus_records.append(record.as_dict())
+
+    async def to_sse_list(record: PrefixRecord) -> None:
+        sse_records.append(record.as_dict())
+
+    bus = source(None, transport=Transport.EVENT_BUS, backend=golden.BACKEND)
+    sleep = FakeSleep(block_after=1)
+    async with manager([bus], to_bus_list, sleep, open_announced_stream=open_announced_stream) as m:
+        await sleep.wait_count(1)
+        assert m.stats()[golden.BACKEND]["ended"] == {"draining": 1, "no_session": 1}
+    assert bus_calls == [None, f"{golden.EPOCH}-6"]  # after draining: at once, with the last ID
+    assert bus_records == expected_golden_records()
+
+    async with ScriptedServer([Conn(chunks)]) as server:
+        sse = source(server.url(f"/events/{golden.BACKEND}"), backend=golden.BACKEND)
+        async with manager([sse], to_sse_list, FakeSleep()) as m:
+            assert await server.next_request() is None
+            assert await server.next_request() == f"{golden.EPOCH}-6"
+            assert m.stats()[golden.BACKEND]["ended"] == {"draining": 1}
+    assert sse_records == bus_records
+
+
+@pytest.fixture
+def bus_tls(tmp_path: Path) -> TlsMaterial:
+    return TlsMaterial.create(tmp_path / "tls")
+
+
+async def test_over_the_real_event_bus_from_a_real_listener_client(
+        bus_tls: TlsMaterial, tmp_path: Path) -> None:
+    """The consumer starts before any listener (no_session), the listener's BusClient connects,
+    the resync and live records arrive over TLS HTTP/2 into a real index, and a restarted consumer
+    resumes from its last ID without a resync."""
+    hub = StreamHub(history_size=100, max_lag=100, update_interval_s=0.05, max_sse_clients=4,
+                    ping_interval_s=None)
+    hub.add_backend(B)
+    index = InMemoryKvIndex()
+    applied = Applied()
+    into_index = index_applier(index)
+
+    async def apply(record: PrefixRecord) -> None:
+        await into_index(record)
+        await applied(record)
+
+    async with running_server(bus_tls) as bus:
+        delays: list[float] = []
+
+        async def sleep(delay: float) -> None:  # a retry waits until a session announces B
+            delays.append(delay)
+            async with asyncio.timeout(TIMEOUT):
+                await bus.wait_announced(B)
+
+        cfg = source(None, transport=Transport.EVENT_BUS, interval_ms=300)
+        m = KvEventConsumerManager([cfg], apply, open_announced_stream=bus.open_announced_stream,
+                                   sleep=sleep, clock=lambda: 1000.0)
+        client = BusClient(listener_config(bus.port, bus_tls, write_token(tmp_path, TOKEN_A)),
+                           lambda: [B], hub.open)
+        client_task: asyncio.Task[None] | None = None
+        try:
+            m.start()
+            client_task = asyncio.create_task(client.run())
+            first = await applied.next()  # the resync of a new consumer: empty log
+            epoch = hub.backend(B).log.epoch
+            assert (first.event, first.id) == (RecordEvent.CACHE_CLEARED, f"{epoch}-0")
+            assert delays and set(delays) == {0.3}  # no_session: flat interval until announced
+            assert m.stats()[B]["ended"] == {"no_session": len(delays)}
+
+            hub.publish(B, [transition(1, 64)])
+            live = await applied.next()
+            assert (live.event, live.prefix_hash, live.id) == (RecordEvent.CACHE_CREATED,
+                                                              f"{1:064x}", f"{epoch}-1")
+            assert await index.query(f"{1:064x}") == [Holder(B, 64, Tier.GPU_HOT)]
+
+            # Restart the consumer (a reload that changed its interval): it gives its stream up
+            # and asks again with its last ID; the listener replays nothing and goes live.
+            await m.reload([source(None, transport=Transport.EVENT_BUS, interval_ms=400)])
+            hub.publish(B, [transition(2, 32)])
+            resumed = await applied.next()
+            assert (resumed.prefix_hash, resumed.id) == (f"{2:064x}", f"{epoch}-2")
+            assert m.stats()[B]["connections"] == 2
+            assert m.stats()[B]["applied_by_event"] == {"cache_cleared": 1, "cache_created": 2}
+        finally:
+            await m.stop()
+            if client_task is not None:
+                client_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await client_task
+            hub.close()
