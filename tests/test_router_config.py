@@ -235,7 +235,7 @@ def test_endpoint_of_another_backend_warns() -> None:
     w = warnings_of({"kv_cache_index": {"event_sources": [
         {"backend_name": "vllm-2", "endpoint": "http://kv:7817/events/vllm-1"}]}})
     assert w == ["kv_cache_index.event_sources[0].endpoint: does not end in /events/vllm-2: "
-                 "events of another backend would be indexed as 'vllm-2'"]
+                 "records naming another backend will be dropped (backend_mismatch)"]
 
 
 def bus(tmp_path: Path, **over: Any) -> dict[str, Any]:

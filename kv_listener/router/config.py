@@ -243,8 +243,8 @@ def _event_source(r: Reader, raw: Any, path: str) -> EventSourceConfig | None:
             endpoint = check_url(r, f"{path}.endpoint", endpoint, ("http", "https", "ws", "wss"))
             segments = urlsplit(endpoint).path.rstrip("/").split("/") if endpoint else []
             if endpoint and name and segments[-2:] != ["events", name]:
-                r.warn(f"{path}.endpoint", f"does not end in /events/{name}: events of another "
-                                           f"backend would be indexed as {name!r}")
+                r.warn(f"{path}.endpoint", f"does not end in /events/{name}: records naming "
+                                           f"another backend will be dropped (backend_mismatch)")
     elif endpoint is not None:
         r.error(f"{path}.endpoint", "must not be set with transport: event_bus (the listener "
                                     "connects to this router)")
