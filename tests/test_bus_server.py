@@ -522,3 +522,23 @@ async def test_close_ends_sessions_and_streams(tls: TlsMaterial) -> None:
         assert await session.line() is None
         assert stream.end_reason is StreamEndReason.SERVER_CLOSED
         assert server.stats.sessions_ended["server_closed"] == 1
+
+
+async def test_a_draining_record_moves_re_requests_to_another_session_at_once(
+        server: EventBusServer, tls: TlsMaterial) -> None:
+    """The consumer reads `draining` and re-requests before the listener ended the body: the
+    router already knows that session drains and asks another one."""
+    async with h2_connection(server.port, tls) as c1, h2_connection(server.port, tls) as c2:
+        older = await open_session(c1, server.port, hello())
+        newer = await open_session(c2, server.port, hello())
+        stream = await server.open_announced_stream("vllm-1", None)
+        sub = await newer.line()
+        assert isinstance(sub, Subscribe)
+        sid = await c2.open_request(bp.stream_path(sub.stream_id), headers(server.port, TOKEN_A))
+        assert (await c2.response(sid))[0] == 200
+        await c2.send_data(sid, b'event: draining\ndata: {"event":"draining","backend":"vllm-1"}\n\n')
+        assert b"draining" in await anext(stream)
+        again = await server.open_announced_stream("vllm-1", None)
+        assert isinstance(await older.line(), Subscribe)
+        assert again.session_id != stream.session_id
+        await c2.end_stream(sid)

@@ -355,6 +355,9 @@ class BusStream:
         self._chunks.append(data)
         self._buffered += len(data)
         self._tail = (self._tail + data)[-bp.STREAM_TAIL_BYTES:]
+        if b"draining" in data and bp.stream_end_kind(self._tail) is StreamEnd.DRAINING:
+            # Known before the consumer reads it: its re-request must go to another session.
+            self._server._session_draining(self._session)
         self._wake.set()
         if self._buffered > self._max_buffer_bytes:
             # The consumer cannot keep up; holding more would be unbounded memory, and stalling
@@ -689,13 +692,17 @@ class EventBusServer:
         if not stream.attached.is_set():
             # Never opened: forget it now. An attached one is forgotten when its request ends.
             self._forget_stream(stream)
-        if reason is StreamEndReason.DRAINING and session.live and not session.draining:
+        if reason is StreamEndReason.DRAINING:
+            self._session_draining(session)
+        log.info("bus_stream_ended", backend=stream.backend, stream_id=stream.stream_id,
+                 reason=reason.value, bytes=stream.bytes_received)
+
+    def _session_draining(self, session: _Session) -> None:
+        if session.live and not session.draining:
             session.draining = True
             log.info("bus_session_draining", session_id=session.session_id,
                      client_id=session.client_id)
             self._notify_changed()
-        log.info("bus_stream_ended", backend=stream.backend, stream_id=stream.stream_id,
-                 reason=reason.value, bytes=stream.bytes_received)
 
     def _forget_stream(self, stream: BusStream) -> None:
         self._streams.pop(stream.stream_id, None)
