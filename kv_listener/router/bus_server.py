@@ -354,7 +354,8 @@ class BusStream:
         self.bytes_received += len(data)
         self._chunks.append(data)
         self._buffered += len(data)
-        self._tail = (self._tail + data)[-bp.STREAM_TAIL_BYTES:]
+        # Only the end matters; slicing `data` first keeps this O(tail), not O(chunk).
+        self._tail = (self._tail + data[-bp.STREAM_TAIL_BYTES:])[-bp.STREAM_TAIL_BYTES:]
         if b"draining" in data and bp.stream_end_kind(self._tail) is StreamEnd.DRAINING:
             # Known before the consumer reads it: its re-request must go to another session.
             self._server._session_draining(self._session)
