@@ -31,6 +31,7 @@ from kv_listener.router.bus_server import (
     StreamEndReason,
     TlsFiles,
 )
+from kv_listener.router.config import parse_router_config
 from kv_listener.router.consumer import NoSessionError
 from tests.conftest import FIXTURES
 from tests.support.bus import (
@@ -542,3 +543,22 @@ async def test_a_draining_record_moves_re_requests_to_another_session_at_once(
         assert isinstance(await older.line(), Subscribe)
         assert again.session_id != stream.session_id
         await c2.end_stream(sid)
+
+
+async def test_built_from_the_router_config_file(tls: TlsMaterial) -> None:
+    """`EventBusServer.from_config` takes router/config.py's parsed `dynamo.event_bus` block as
+    is (the seed's shape), including roles as enums and mTLS via `tls.client_ca`."""
+    cfg = parse_router_config({
+        "kv_cache_index": {"event_sources": [{"backend_name": "vllm-1", "transport": "event_bus"}]},
+        "dynamo": {"event_bus": {
+            "enabled": True, "listen": "127.0.0.1:9443",
+            "tls": {"cert": tls.server.cert, "key": tls.server.key, "client_ca": tls.ca_file},
+            "brokers": [{"id": "kv-listener-a", "role": "kv_listener",
+                         "token_hash": bp.token_hash(TOKEN_A), "backends": ["vllm-1"]}],
+        }},
+    })
+    server = EventBusServer.from_config(cfg.event_bus, port=0)  # any free port in tests
+    async with server, h2_connection(server.port, tls) as conn:
+        await open_session(conn, server.port, hello())
+        refused = await post(conn, server.port, bp.SESSION_PATH, hello(role=Role.BROKER), token=TOKEN_A)
+        assert refused.status == 403
