@@ -870,9 +870,8 @@ class BusClient:
         tasks = [p.task for p in list(session.pushes.values()) if p.task is not None]
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
         await session.conn.close()
 
     # --- one pushed stream ---
@@ -880,11 +879,11 @@ class BusClient:
     async def _push(self, session: _Session, push: _Push) -> None:
         conn = session.conn
         sub = push.sub
-        token = self._token()
         end = PushEnd.ABORTED
         sid: int | None = None
         iterator: AsyncIterator[bytes] | None = None
         try:
+            token = self._token()
             sid = await conn.open_request(
                 self._target.base_path + bp.stream_path(sub.stream_id),
                 self._headers(token, b"text/event-stream"))
@@ -918,10 +917,16 @@ class BusClient:
                 conn.reset_stream(sid)
         except (BusError, StreamReset) as exc:
             end = PushEnd.RESET_BY_ROUTER if isinstance(exc, StreamReset) else PushEnd.ABORTED
+            if sid is not None:
+                conn.reset_stream(sid)
         except asyncio.CancelledError:
             if sid is not None:
                 conn.reset_stream(sid)
             raise
+        except Exception as exc:  # a bug must end this push only, never the session
+            log.error("bus_push_failed", stream_id=sub.stream_id, error=repr(exc))
+            if sid is not None:
+                conn.reset_stream(sid)
         finally:
             self.stats.streams_ended[end.value] += 1
             self._notify()
