@@ -1,62 +1,344 @@
 """The listener daemon: only wiring. Config -> sources -> tracker -> event log -> outputs.
 
-Owns the process lifecycle: an asyncio TaskGroup, the signals (SIGTERM/SIGINT: drain and exit 0;
-SIGHUP: reload the config, an invalid file keeps the old one), and the shutdown order.
+Owns the process lifecycle: an asyncio TaskGroup, the signals (SIGTERM/SIGINT: every stream gets
+`draining`, sources close, exit 0 within a bounded time; SIGHUP: reload the config, where added
+sources start, removed ones stop and their streams end, changed ones restart with a clear,
+unchanged ones keep their state and history, and an invalid file keeps the old config), and the
+shutdown order: streams drain -> push client drains -> HTTP server stops -> sources stop.
+
+Per source there is one `SourceRuntime`: the source task (ZMQ SUB or TRT-LLM poller) fills a
+bounded queue; a pump task applies the queue to the pure `Tracker` and publishes the prefix
+transitions to the `StreamHub`; the `ChainResolver` answers the tracker's detokenize requests off
+the ingestion path. All of these run on one event loop, so the tracker needs no lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from kv_listener.config import ConfigError, ListenerConfig, load_config
+from prometheus_client import CollectorRegistry
+
+from kv_listener.config import ConfigError, ListenerConfig, SourceConfig, load_config, read_secret
+from kv_listener.core.model import (
+    ClearReason,
+    Engine,
+    PrefixTransition,
+    ResolveOutcome,
+    SourceCleared,
+    SourceItem,
+    TransitionKind,
+)
+from kv_listener.core.salt import verify_cache_salt
+from kv_listener.core.tracker import Tracker, TrackerNotice
 from kv_listener.logging import configure_logging, get_logger
+from kv_listener.metrics import ListenerCollector, SourceView, new_registry
+from kv_listener.outputs.sse_server import RunningServer, create_app, serve, source_stats_entry
+from kv_listener.outputs.streams import StreamHub
+from kv_listener.resolver.resolver import ChainResolver
+from kv_listener.sources.trtllm import TrtllmSource
+from kv_listener.sources.zmq import ZmqSource
+from kv_listener.stats import SourceStats
 
 log = get_logger("kv_listener.app")
+
+#: Batches a source may queue ahead of the tracker before it drops and clears (never blocks).
+SOURCE_QUEUE_SIZE = 10000
+#: How long a stopping daemon waits for streams to take their `draining` record.
+DRAIN_DEADLINE_S = 5.0
+#: Backoff of a crashed source task: doubles from the first value up to the second.
+RESTART_BACKOFF_S = (0.5, 30.0)
+_NOTICES = {
+    TrackerNotice.TOKEN_COUNT_MISMATCH: "an event's token count does not fit its block size; "
+    "its descendants stay unattributed",
+    TrackerNotice.GROUP_SKIPPED: "events of a second KV-cache group (hybrid model) are skipped; "
+    "only one group is tracked",
+    TrackerNotice.SALT_REJECTED: "a cache salt failed verification (wrong secret or another "
+    "backend's salt); its chain is discarded",
+}
+
+
+class SourceRuntime:
+    """Everything that belongs to one configured source, started and stopped as a unit."""
+
+    def __init__(self, cfg: SourceConfig, listener: ListenerConfig, hub: StreamHub,
+                 salt_secret: bytes | None) -> None:
+        self.cfg = cfg
+        self.hub = hub
+        self.max_prefix_length = listener.max_prefix_length
+        self.stats = SourceStats(engine=cfg.engine.value)
+        self.queue: asyncio.Queue[SourceItem] = asyncio.Queue(SOURCE_QUEUE_SIZE)
+        self.log = get_logger("kv_listener.source", backend=cfg.backend_name,
+                              engine=cfg.engine.value)
+        self._salt_secret = salt_secret
+        self.resolver: ChainResolver | None = None
+        self.tracker = self._new_tracker(can_detokenize=False)
+        self.source: ZmqSource | TrtllmSource | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _new_tracker(self, *, can_detokenize: bool) -> Tracker:
+        verifier: Callable[[str], bytes | None] | None = None
+        if self._salt_secret is not None:
+            secret, backend = self._salt_secret, self.cfg.backend_name
+
+            def verifier(salt: str) -> bytes | None:
+                return verify_cache_salt(secret, backend, salt)
+
+        return Tracker(engine=self.cfg.engine, model=self.cfg.model, limits=self.cfg.limits,
+                       salt_verifier=verifier, can_detokenize=can_detokenize)
+
+    async def start(self) -> None:
+        """Build the resolver (may load a tokenizer / learn a template) and start the tasks."""
+        if self.cfg.detokenize_endpoint is not None or self.cfg.tokenizer is not None:
+            try:
+                self.resolver = await ChainResolver.for_source(
+                    self.cfg, on_outcome=self._on_outcome,
+                    max_prefix_length=self.max_prefix_length, stats=self.stats)
+            except (ValueError, OSError) as exc:
+                self.log.error("resolver_unavailable", error=type(exc).__name__, detail=str(exc))
+        self.tracker = self._new_tracker(can_detokenize=self.resolver is not None)
+        self._tasks = [
+            asyncio.create_task(self._run_source(), name=f"source:{self.cfg.backend_name}"),
+            asyncio.create_task(self._pump(), name=f"pump:{self.cfg.backend_name}"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self.resolver is not None:
+            await self.resolver.close()
+
+    def _make_source(self) -> ZmqSource | TrtllmSource:
+        if self.cfg.engine is Engine.TRTLLM:
+            return TrtllmSource(self.cfg, self.queue, self.stats)
+        return ZmqSource(self.cfg, self.queue, self.stats)
+
+    async def _run_source(self) -> None:
+        """Run the source; a crash is logged, counted and restarted with backoff, and the
+        tracker is cleared first because events may have been lost meanwhile."""
+        delay = RESTART_BACKOFF_S[0]
+        while True:
+            started = time.monotonic()
+            try:
+                self.source = self._make_source()
+                await self.source.run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.stats.ready = False
+                self.stats.source_restarts += 1
+                self.log.error("source_crashed", error=type(exc).__name__, detail=str(exc),
+                               restart_in_s=round(delay, 2))
+            if time.monotonic() - started > 60:
+                delay = RESTART_BACKOFF_S[0]
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))  # noqa: S311 (jitter)
+            delay = min(delay * 2, RESTART_BACKOFF_S[1])
+            self._put_clear(ClearReason.SOURCE_RESTART)
+
+    def _put_clear(self, reason: ClearReason) -> None:
+        self.stats.clears[reason.value] += 1
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(SourceCleared(reason))
+
+    async def _pump(self) -> None:
+        while True:
+            item = await self.queue.get()
+            transitions = self._apply(item)
+            # Drain what is already queued in one go: one publish per wake-up, not per batch.
+            while not self.queue.empty():
+                transitions.extend(self._apply(self.queue.get_nowait()))
+            self.stats.queue_depth = 0
+            self._publish(transitions)
+
+    def _apply(self, item: SourceItem) -> list[PrefixTransition]:
+        try:
+            return self.tracker.apply(item)
+        except Exception as exc:  # a tracker bug must not stop ingestion: clear and go on
+            self.log.error("tracker_error", error=type(exc).__name__, detail=str(exc))
+            return self.tracker.apply(SourceCleared(ClearReason.SOURCE_RESTART))
+
+    def _on_outcome(self, outcome: ResolveOutcome) -> None:
+        try:
+            transitions = self.tracker.on_resolved(outcome)
+        except Exception as exc:
+            self.log.error("tracker_error", error=type(exc).__name__, detail=str(exc))
+            return
+        self._publish(transitions)
+
+    def _publish(self, transitions: list[PrefixTransition]) -> None:
+        if transitions:
+            self.hub.publish(self.cfg.backend_name, transitions)
+        if self.resolver is not None:
+            for req in self.tracker.take_resolve_requests():
+                self.resolver.submit(req)
+        for notice in self.tracker.take_notices():  # each condition once per tracker lifetime
+            self.log.warning("tracker_notice", notice=notice.value, detail=_NOTICES[notice])
+
+    def ready(self) -> bool:
+        if isinstance(self.source, TrtllmSource):
+            return self.source.is_ready()
+        return self.stats.ready
+
+    def tracker_gauges(self) -> dict[str, int]:
+        st = self.tracker.stats()
+        self.stats.salt_rejected = st["salt_rejected"]  # counted by the tracker, shown per source
+        st["chains_pending"] = st["pending"]
+        st["blocks_pruned"] = st["pruned"]
+        return st
 
 
 class Listener:
     def __init__(self, config: ListenerConfig, config_path: str | Path | None = None) -> None:
         self.config = config
         self.config_path = config_path
+        self.hub = StreamHub.from_config(config)
+        self.runtimes: dict[str, SourceRuntime] = {}
+        self.registry: CollectorRegistry = new_registry(
+            ListenerCollector(self._source_views, self.hub.stream_views))
+        self.server: RunningServer | None = None
         self._stop = asyncio.Event()
+        self._reloading: asyncio.Task[bool] | None = None
+        self._salt_secret: bytes | None = None
+
+    # --- ListenerStatus for the HTTP app ------------------------------------------------------
+
+    def not_ready(self) -> Sequence[str]:
+        return [name for name, rt in self.runtimes.items() if not rt.ready()]
+
+    def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
+        out: dict[str, Mapping[str, Any]] = {}
+        for name, rt in self.runtimes.items():
+            gauges = rt.tracker_gauges()
+            entry = source_stats_entry(rt.stats, blocks_tracked=gauges["blocks_tracked"],
+                                       tokens_retained=gauges["tokens_retained"],
+                                       prefixes_live=gauges["prefixes_live"])
+            entry["tracker"] = gauges
+            entry.update(source_restarts=rt.stats.source_restarts, queue_depth=rt.queue.qsize())
+            out[name] = entry
+        return out
+
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.registry
+
+    def _source_views(self) -> list[SourceView]:
+        views = []
+        for name, rt in self.runtimes.items():
+            rt.stats.queue_depth = rt.queue.qsize()
+            views.append(SourceView(name, rt.stats, rt.tracker_gauges()))
+        return views
+
+    # --- lifecycle -----------------------------------------------------------------------------
 
     def request_stop(self) -> None:
         self._stop.set()
 
-    def reload(self) -> bool:
-        """Re-read the config file; on error log it and keep the running config."""
+    async def _start_source(self, cfg: SourceConfig) -> None:
+        self.hub.add_backend(cfg.backend_name)
+        rt = SourceRuntime(cfg, self.config, self.hub, self._salt_secret)
+        self.runtimes[cfg.backend_name] = rt
+        await rt.start()
+        log.info("source_started", backend=cfg.backend_name, engine=cfg.engine.value)
+
+    async def _stop_source(self, name: str) -> None:
+        rt = self.runtimes.pop(name)
+        await rt.stop()
+        log.info("source_stopped", backend=name)
+
+    async def reload(self) -> bool:
+        """Re-read the config file; apply the differences; on error keep the running config."""
         if self.config_path is None:
             return False
         try:
             new = load_config(self.config_path)
+            secret = read_secret(new.cache_salt.secret_file, new.cache_salt.secret_env)
         except ConfigError as exc:
             log.error("config_reload_failed", path=str(self.config_path), errors=exc.errors)
             return False
+        old = self.config
         configure_logging(new.log.level, new.log.format)
         for w in new.warnings:
             log.warning("config_warning", detail=w)
+        for key in ("listen_host", "listen_port", "history_size", "max_lag",
+                    "update_interval_s", "max_sse_clients"):
+            if getattr(old, key) != getattr(new, key):
+                log.warning("config_change_needs_restart", key=key)
+        # A change of the salt secret or of max_prefix_length changes every source's keys.
+        global_change = secret != self._salt_secret or old.max_prefix_length != new.max_prefix_length
+        self._salt_secret = secret
         self.config = new
-        log.info("config_reloaded", path=str(self.config_path), sources=len(new.sources))
+        old_sources = {s.backend_name: s for s in old.sources}
+        new_sources = {s.backend_name: s for s in new.sources}
+        removed = [n for n in old_sources if n not in new_sources]
+        added = [n for n in new_sources if n not in old_sources]
+        changed = [n for n in new_sources if n in old_sources
+                   and (global_change or new_sources[n] != old_sources[n])]
+        for name in removed:
+            await self._stop_source(name)
+            self.hub.remove_backend(name)
+        for name in changed:
+            # Same backend, new source: consumers keep their stream and see the state restart
+            # from scratch (cache_cleared), rather than a vanished backend.
+            await self._stop_source(name)
+            self.hub.publish(name, [PrefixTransition(kind=TransitionKind.CLEARED)])
+            await self._start_source(new_sources[name])
+        for name in added:
+            await self._start_source(new_sources[name])
+        log.info("config_reloaded", path=str(self.config_path), sources=len(new.sources),
+                 added=added, removed=removed, restarted=changed)
         return True
+
+    def _on_sighup(self) -> None:
+        if self._reloading is not None and not self._reloading.done():
+            log.warning("config_reload_busy")
+            return
+        self._reloading = asyncio.create_task(self.reload())
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        self._salt_secret = read_secret(self.config.cache_salt.secret_file,
+                                        self.config.cache_salt.secret_env)
+        app = create_app(self.hub, self)
+        try:
+            self.server = await serve(app, self.config.listen_host, self.config.listen_port)
+        except OSError as exc:
+            raise ConfigError([f"listen: cannot bind {self.config.listen_host}:"
+                               f"{self.config.listen_port}: {exc.strerror or exc}"]) from None
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self.reload)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
-            log.info(
-                "listener_started",
-                sources=len(self.config.sources),
-                listen=f"{self.config.listen_host}:{self.config.listen_port}",
-            )
+            for cfg in self.config.sources:
+                await self._start_source(cfg)
+            log.info("listener_started", sources=len(self.config.sources),
+                     listen=f"{self.config.listen_host}:{self.server.port}")
             await self._stop.wait()
             log.info("listener_stopping")
+            drained = await self.hub.drain(DRAIN_DEADLINE_S)
+            if not drained:
+                log.warning("drain_deadline_passed")
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            if self._reloading is not None:
+                self._reloading.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._reloading
+            if self.server is not None:
+                await self.server.stop()
+            for name in list(self.runtimes):
+                await self._stop_source(name)
+            self.hub.close()
         log.info("listener_stopped")
 
 

@@ -1,0 +1,210 @@
+"""The real daemon end to end: engine-like ZMQ publishers (vLLM map and array encodings, SGLang)
+-> `python -m kv_listener --config FILE` -> SSE on a real socket. Prefix hashes are computed here
+independently from the conversation (SPEC §2 formula with hashlib), not with the listener's code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+from array import array
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kv_listener.core.model import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_listener.core.salt import issue_cache_salt
+from kv_listener.resolver.template import load_tokenizer
+from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
+from kv_listener.sim.publisher import SimPublisher
+from tests.conftest import FIXTURES, free_port
+from tests.support.daemon import Daemon, SseClient, sse
+from tests.support.detokenize_server import DetokenizeServer
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK = 16
+MODEL = "tiny-chat"
+SYSTEM = "You are a careful assistant for the fleet operators. Answer briefly."
+USER = "Which backend holds the longest cached prefix for this conversation right now?"
+TOK = load_tokenizer(FIXTURES / "tokenizers" / "chatml")
+
+
+def spec_hash(model: str, *, system: str | None = None, first: str | None = None) -> str:
+    """SPEC §2, written out independently of kv_listener.core.prefix."""
+    if system:
+        body = b"S" + system.encode()[:1024]
+    else:
+        assert first
+        body = b"M" + first.encode()[:1024]
+    return hashlib.sha256(model.encode() + b"\x00" + body).hexdigest()
+
+
+def chat_tokens(system: str | None, user: str, *turns: str) -> list[int]:
+    """The engine's prompt tokens; `turns` (assistant, user, ...) follow the first user message so
+    that its end delimiter lands inside a full block."""
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": "user", "content": user}] + \
+        [{"role": ("assistant", "user")[i % 2], "content": t} for i, t in enumerate(turns)]
+    text = TOK.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(TOK.encode(text, add_special_tokens=False))
+
+
+def block_hashes(tokens: list[int], salt: str = "") -> list[int]:
+    """A chained hash per full block (any deterministic u64 chain will do for the listener)."""
+    out, parent = [], salt.encode()
+    for i in range(0, len(tokens) - len(tokens) % BLOCK, BLOCK):
+        parent = hashlib.sha256(parent + array("I", tokens[i:i + BLOCK]).tobytes()).digest()
+        out.append(int.from_bytes(parent[-8:], "big"))
+    return out
+
+
+def stored(tokens: list[int], hashes: list[int], *, extra_keys: Any = None,
+           cache_salt: str | None = None, medium: str = "GPU") -> BlockStored:
+    n = len(hashes) * BLOCK
+    return BlockStored(block_hashes=tuple(hashes), parent_hash=None, token_ids=array("I", tokens[:n]),
+                       block_size=BLOCK, medium=medium, extra_keys=extra_keys, cache_salt=cache_salt)
+
+
+def source(name: str, engine: str, zmq_port: int, **extra: Any) -> dict[str, Any]:
+    return {"backend_name": name, "engine": engine, "model": MODEL,
+            "zmq_endpoint": f"tcp://127.0.0.1:{zmq_port}", **extra}
+
+
+def data(ev: Any) -> dict[str, Any]:
+    return dict(json.loads(ev.data))
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def test_vllm_map_unsalted_chain_through_detokenize(tmp_path: Path,
+                                                          session: aiohttp.ClientSession) -> None:
+    detok = await DetokenizeServer(TOK, engine="vllm").start()
+    zport = free_port()
+    cfg = {"listen": f"127.0.0.1:{free_port()}", "update_interval": "50ms",
+           "sources": [source("vllm-1", "vllm", zport, detokenize_endpoint=detok.url)]}
+    try:
+        async with Daemon(cfg, tmp_path) as daemon, \
+                SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub, \
+                sse(session, f"{daemon.base}/events/vllm-1") as client:
+            first = await client.next()
+            assert first.event == "cache_cleared" and first.id is not None  # resync of an empty log
+            await pub.wait_for_subscriber()
+            tokens = chat_tokens(SYSTEM, USER)
+            hashes = block_hashes(tokens)
+            pub.publish(encode_vllm_batch([stored(tokens, hashes)], ts=1.0, version="0.33"))
+            created = await client.until(lambda e: e.event == "cache_created")
+            want = spec_hash(MODEL, system=SYSTEM)
+            assert data(created) == {"event": "cache_created", "backend": "vllm-1",
+                                     "prefix_hash": want, "token_count": len(hashes) * BLOCK,
+                                     "tier": "gpu_hot", "ts": data(created)["ts"]}
+            # offload to CPU (vLLM's tokenless placeholder), then the GPU copy goes
+            placeholder = BlockStored(block_hashes=tuple(hashes), parent_hash=None,
+                                      token_ids=array("I"), block_size=0, medium="CPU")
+            pub.publish(encode_vllm_batch([placeholder], ts=2.0, version="0.33"))
+            pub.publish(encode_vllm_batch([BlockRemoved(block_hashes=(h,), medium="GPU")
+                                           for h in hashes], ts=3.0, version="0.33"))
+            off = await client.until(lambda e: e.event == "cache_offloaded")
+            assert (data(off)["prefix_hash"], data(off)["tier"]) == (want, "storage_warm")
+            assert data(off)["token_count"] == len(hashes) * BLOCK
+            pub.publish(encode_vllm_batch([BlockRemoved(block_hashes=tuple(hashes), medium="CPU")],
+                                          ts=4.0, version="0.33"))
+            gone = await client.until(lambda e: e.event == "cache_evicted")
+            assert data(gone) == {"event": "cache_evicted", "backend": "vllm-1",
+                                  "prefix_hash": want, "ts": data(gone)["ts"]}
+            # a new chain, then the engine resets its prefix cache
+            other = chat_tokens(None, USER + " And the second one?",
+                                "The second one is vllm-2, it has held it since noon.", "Thanks!")
+            pub.publish(encode_vllm_batch([stored(other, block_hashes(other))], ts=5.0))
+            again = await client.until(lambda e: e.event == "cache_created")
+            assert data(again)["prefix_hash"] == spec_hash(MODEL, first=USER + " And the second one?")
+            pub.publish(encode_vllm_batch([AllBlocksCleared()], ts=6.0))
+            cleared = await client.until(lambda e: e.event == "cache_cleared")
+            assert "prefix_hash" not in data(cleared)
+            assert len(detok.requests) >= 1
+    finally:
+        await detok.close()
+
+
+async def test_salted_vllm_array_and_sglang_chains_need_no_detokenize(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    secret = tmp_path / "salt.secret"
+    secret.write_text("s3cret\n")
+    vport, sport = free_port(), free_port()
+    cfg = {"listen": f"127.0.0.1:{free_port()}", "cache_salt": {"secret_file": str(secret)},
+           "sources": [source("vllm-1", "vllm", vport), source("sglang-1", "sglang", sport)]}
+    key_v = hashlib.sha256(MODEL.encode() + b"\x00S" + b"system one").digest()
+    key_s = hashlib.sha256(MODEL.encode() + b"\x00S" + b"system two").digest()
+    salt_v = issue_cache_salt(b"s3cret", "vllm-1", key_v)
+    forged = issue_cache_salt(b"s3cret", "vllm-2", key_v)  # another backend's salt
+    salt_s = issue_cache_salt(b"s3cret", "sglang-1", key_s)
+    tokens = list(range(100, 100 + 4 * BLOCK))  # no tokenizer needed: the salt decides
+    async with Daemon(cfg, tmp_path) as daemon, \
+            SimPublisher(f"tcp://127.0.0.1:{vport}", mode="connect") as vpub, \
+            SimPublisher(f"tcp://127.0.0.1:{sport}", mode="connect") as spub, \
+            sse(session, f"{daemon.base}/events/vllm-1") as vc, \
+            sse(session, f"{daemon.base}/events/sglang-1") as sc:
+        await vc.next()
+        await sc.next()
+        await vpub.wait_for_subscriber()
+        await spub.wait_for_subscriber()
+        hv = block_hashes(tokens, "v")
+        bad = block_hashes(tokens, "forged")
+        # vLLM <= 0.23 array form; the salt sits in the root block's extra_keys after a LoRA-less
+        # entry list (one entry per hash); a forged salt's chain is discarded
+        vpub.publish(encode_vllm_batch(
+            [stored(tokens, bad, extra_keys=((forged,),) + (None,) * 3),
+             stored(tokens, hv, extra_keys=((salt_v,),) + (None,) * 3)], ts=1.0, version="0.23"))
+        hs = block_hashes(tokens, "s")
+        spub.publish(encode_sglang_batch([stored(tokens, hs, cache_salt=salt_s)], ts=1.0,
+                                         version="0.5.23"))
+        v = await vc.until(lambda e: e.event == "cache_created")
+        s = await sc.until(lambda e: e.event == "cache_created")
+        assert (data(v)["prefix_hash"], data(v)["token_count"]) == (key_v.hex(), 4 * BLOCK)
+        assert (data(s)["prefix_hash"], data(s)["token_count"]) == (key_s.hex(), 4 * BLOCK)
+        async with session.get(f"{daemon.base}/stats") as resp:
+            stats = await resp.json()
+        assert stats["sources"]["vllm-1"]["salt_rejected"] == 1
+        assert stats["sources"]["vllm-1"]["prefixes_live"] == 1
+        assert stats["sources"]["sglang-1"]["engine"] == "sglang"
+        assert stats["sources"]["vllm-1"]["detokenize_calls"] == 0
+
+
+async def test_health_ready_metrics_and_404(tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    zport = free_port()
+    cfg = {"listen": f"127.0.0.1:{free_port()}", "sources": [source("vllm-1", "vllm", zport)]}
+    async with Daemon(cfg, tmp_path) as daemon:
+        async with session.get(f"{daemon.base}/healthz") as resp:
+            assert resp.status == 200
+        await daemon.wait_log("source_started", backend="vllm-1")
+        async with session.get(f"{daemon.base}/events/nope") as resp:
+            assert resp.status == 404
+        async with session.get(f"{daemon.base}/metrics") as resp:
+            text = await resp.text()
+        assert 'continuum_kv_listener_events_received_total{backend="vllm-1"}' in text
+
+
+async def test_sigterm_sends_draining_and_exits_0(tmp_path: Path,
+                                                  session: aiohttp.ClientSession) -> None:
+    zport = free_port()
+    cfg = {"listen": f"127.0.0.1:{free_port()}", "sources": [source("vllm-1", "vllm", zport)]}
+    daemon = await Daemon(cfg, tmp_path).start()
+    try:
+        client = await SseClient(session, f"{daemon.base}/events/vllm-1").connect()
+        await client.next()
+        daemon.signal(signal.SIGTERM)
+        ev = await client.until(lambda e: e.event == "draining")
+        assert ev.id is None
+        assert data(ev) == {"event": "draining", "backend": "vllm-1"}
+        client.close()
+        assert await daemon.wait_exit() == 0
+    finally:
+        await daemon.stop()
