@@ -600,12 +600,12 @@ def test_clears_drop_everything_with_one_transition(clear: EventBatch | SourceCl
     e.store(chat(SYSTEM, [100]))
     reqs = t.take_resolve_requests()
     assert t.apply(clear) == [PrefixTransition(TransitionKind.CLEARED)]
-    assert (t.blocks_tracked, t.tokens_retained, t.prefixes_live, t.pending, t.inflight) == (
-        0, 0, 0, 0, 0)
+    assert (t.blocks_tracked, t.tokens_retained, t.prefixes_live, t.pending) == (0, 0, 0, 0)
     assert t.snapshot() == {}
+    assert t.inflight == 1  # the resolver still holds it
     o, _ = answer(reqs[0])
     assert t.on_resolved(o) == []
-    assert t.stale_outcomes == 1
+    assert t.stale_outcomes == 1 and t.inflight == 0
 
 
 def test_a_clear_supersedes_the_batch_before_it_and_later_events_apply() -> None:
@@ -750,3 +750,68 @@ def test_filled_tracker_memory_stays_within_a_generous_bound() -> None:
     assert t2.blocks_tracked == n
     assert grown / n < 400  # bench/tracker.py prints the exact figure (~250 bytes)
     assert t.blocks_tracked == 1
+
+
+def test_a_head_whose_answer_is_out_is_not_asked_again_but_adopted() -> None:
+    # The resolver drops a second request for a head it holds: after a clear the same chain
+    # (same head, same tokens) takes over the outstanding answer instead of asking again.
+    t = make()
+    e = Engine0(t)
+    prompt = chat(SYSTEM, [100])
+    e.store(prompt)
+    reqs = t.take_resolve_requests()
+    t.apply(batch(AllBlocksCleared()))
+    Engine0(t).store(prompt)
+    assert t.take_resolve_requests() == []
+    o, _ = answer(reqs[0])
+    assert kinds(t.on_resolved(o)) == [("created", 24)]
+    assert t.stale_outcomes == 0 and t.inflight == 0
+
+
+def test_a_different_request_for_an_outstanding_head_waits_for_its_answer() -> None:
+    t = make()
+    e = Engine0(t)
+    e.store(chat(SYSTEM, [100, 101, 102]))
+    serve(t, hint=False)
+    user2 = chat(SYSTEM, [150, 151, 152])
+    e.store(user2)
+    probe = t.take_resolve_requests()
+    assert [len(r.tokens) for r in probe] == [24]
+    t.apply(batch(AllBlocksCleared()))
+    Engine0(t).store(user2)  # the same head again, now a whole chain of 28 tokens
+    assert t.take_resolve_requests() == []  # the resolver still holds that head
+    o, _ = answer(probe[0])
+    assert t.on_resolved(o) == [] and t.stale_outcomes == 1
+    reqs, out = serve(t)
+    assert [len(r.tokens) for r in reqs] == [28] and kinds(out) == [("created", 28)]
+
+
+def test_forget_requests_asks_again() -> None:
+    t = make()
+    e = Engine0(t)
+    e.store(chat(SYSTEM, [100]))
+    first = t.take_resolve_requests()
+    t.forget_requests()  # the resolver was replaced: that answer will never come
+    again = t.take_resolve_requests()
+    assert [r.head for r in again] == [r.head for r in first] and t.inflight == 1
+    o, _ = answer(again[0])
+    assert kinds(t.on_resolved(o)) == [("created", 24)]
+
+
+def test_an_answer_about_a_path_the_chain_lost_is_not_applied_to_another_branch() -> None:
+    t = make()
+    short, other = list(range(10, 18)), [10, 11, 12, 40, 41, 42, 43, 44]
+    p1, p2 = chat(short, [100]), chat(other, [100])  # END within the first 12 tokens
+    h1, h2 = hashes_of(p1), hashes_of(p2)
+    assert h1[0] == h2[0] and h1[1] != h2[1]
+    t.apply(batch(stored(h1[:3], p1[:12])))
+    old = t.take_resolve_requests()
+    t.apply(batch(BlockRemoved((h1[1],))))  # the request's path is cut above its head
+    t.apply(batch(stored(h2[1:3], p2[4:12], h2[0])))  # another branch grows from what is left
+    o, _ = answer(old[0])
+    assert o.status is ResolveStatus.RESOLVED
+    assert t.on_resolved(o) == [] and t.stale_outcomes == 1
+    reqs, out = serve(t)
+    assert [r.tokens.tolist() for r in reqs] == [p2[:12]]
+    assert kinds(out) == [("created", 12)]
+    assert t.snapshot() == {key_for("m", other, []).hex(): (12, Tier.GPU_HOT)}

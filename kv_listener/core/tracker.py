@@ -234,6 +234,20 @@ class _Chain:
 _State = _Key | _Chain | None  # None: unattributed
 
 
+class _Ask:
+    """A request handed to the resolver and not answered yet. It outlives its chain (settled,
+    gone, cleared): the resolver still holds the head and drops another request for it, so the
+    same head is not asked again until this answer arrives (a new chain with the same head, i.e.
+    the same tokens, adopts it when it asks for the same tokens)."""
+
+    __slots__ = ("chain", "n", "probing")
+
+    def __init__(self, chain: _Chain, n: int, probing: bool) -> None:
+        self.chain: _Chain | None = chain
+        self.n = n
+        self.probing = probing
+
+
 if TYPE_CHECKING:
     _U32Array = array[int]
 else:  # array is not subscriptable at run time before Python 3.12
@@ -307,7 +321,7 @@ class Tracker:
     _keys: dict[bytes, _Key]  # interned keys with attributed blocks (or touched this batch)
     _touched: dict[_Key, tuple[bool, int, Tier]]  # key -> (live, token_count, tier) before
     _want: list[_Chain]  # chains to ask for at the next take_resolve_requests
-    _inflight: dict[int, _Chain]  # request head -> chain
+    _inflight: dict[int, _Ask]  # request head -> request (kept across clears)
     _n_pending: int
     _group: int | None  # the KV-cache group tracked (None: not locked yet)
 
@@ -344,6 +358,7 @@ class Tracker:
         self.stale_outcomes = 0  # outcomes for a chain no longer waiting for one
         self.bad_outcomes = 0  # RESOLVED without a 32-byte key (treated as FAILED)
         self.clears = 0
+        self._inflight = {}
         self._reset()
 
     # --- public API -----------------------------------------------------------------------
@@ -368,8 +383,19 @@ class Tracker:
 
     @property
     def inflight(self) -> int:
-        """Requests handed out and not answered yet."""
+        """Requests handed out and not answered yet (also those whose chain is gone)."""
         return len(self._inflight)
+
+    def forget_requests(self) -> None:
+        """Consider every request handed out lost (call when the resolver was replaced and will
+        never answer them): their chains ask again at the next `take_resolve_requests`."""
+        asks, self._inflight = self._inflight, {}
+        for ask in asks.values():
+            ch = ask.chain
+            if ch is not None and ch.status == _PENDING:
+                ch.inflight = None
+                ch.probing = False
+                self._want_request(ch)
 
     def stats(self) -> dict[str, int]:
         """Gauges and counters for /stats and metrics (plain ints)."""
@@ -423,6 +449,7 @@ class Tracker:
         its current head (so a chain that grew since it was queued asks for all of it)."""
         want, self._want = self._want, []
         out: list[ResolveRequest] = []
+        later: list[_Chain] = []
         for ch in want:
             ch.wanted = False
             if ch.status != _PENDING or ch.inflight is not None or ch.waiting:
@@ -443,11 +470,21 @@ class Tracker:
             if tokens is None or len(tokens) < n:
                 self._discard_chain(ch, UnattributedReason.TOKENS_UNAVAILABLE)
                 continue
+            probing = ch.probe_q is not None
+            ask = self._inflight.get(head.hash)
+            if ask is not None:
+                if ask.chain is not None or ask.n != n or ask.probing != probing:
+                    later.append(ch)  # the resolver would drop it: ask once that answer is in
+                    ch.wanted = True
+                    continue
+                ask.chain = ch  # same head, same tokens: that answer is ours
+            else:
+                self._inflight[head.hash] = _Ask(ch, n, probing)
+                out.append(ResolveRequest(head=head.hash, model=ch.model, tokens=tokens))
             ch.inflight = head.hash
             ch.requested = n
-            ch.probing = ch.probe_q is not None
-            self._inflight[head.hash] = ch
-            out.append(ResolveRequest(head=head.hash, model=ch.model, tokens=tokens))
+            ch.probing = probing
+        self._want.extend(later)
         self.resolve_requests += len(out)
         return out
 
@@ -466,7 +503,8 @@ class Tracker:
         if key_tokens is None:
             hint = getattr(outcome, "key_tokens", None)
             key_tokens = hint if isinstance(hint, int) else None
-        ch = self._inflight.pop(outcome.head, None)
+        ask = self._inflight.pop(outcome.head, None)
+        ch = None if ask is None else ask.chain
         if ch is None or ch.status != _PENDING or ch.inflight != outcome.head:
             self.stale_outcomes += 1
             return out
@@ -503,6 +541,8 @@ class Tracker:
                 ch.last = _LAST_FAILED
             self._release_waiters(ch, ask=status is ResolveStatus.PENDING)
             self._after_answer(ch)
+        # A resolved chain keeps a copy of root..d, which may include ancestors' tokens.
+        self._enforce_bounds()
         self._flush(out)
         return out
 
@@ -525,7 +565,8 @@ class Tracker:
         self._keys = {}
         self._touched = {}
         self._want = []
-        self._inflight = {}
+        for ask in self._inflight.values():
+            ask.chain = None  # answers may still come: they are stale
         self._n_pending = 0
         self._group = None
 
@@ -1145,8 +1186,9 @@ class Tracker:
 
     def _cancel_request(self, ch: _Chain) -> None:
         if ch.inflight is not None:
-            if self._inflight.get(ch.inflight) is ch:
-                del self._inflight[ch.inflight]
+            ask = self._inflight.get(ch.inflight)
+            if ask is not None and ask.chain is ch:
+                ask.chain = None  # its answer will be stale
             ch.inflight = None
         ch.waiting = False
         ch.base = None
@@ -1181,6 +1223,12 @@ class Tracker:
                 self._count_unattributed(UnattributedReason.TOKENS_UNAVAILABLE)
         parent = blocks.get(rec.parent) if rec.parent is not None else None
         ch.head = parent.hash if parent is not None and parent.state is ch else None
+        if ch.inflight is not None and ch.inflight in lost and ch.head is not None:
+            # The answer out is about a path the chain no longer has: what grows from its new
+            # head may be another branch. Ask again for what is left.
+            self._cancel_request(ch)
+            self._release_waiters(ch, ask=True)
+            self._want_request(ch)
         cut = [w for w in ch.forks if w.fork_at in lost or ch.head is None]
         ch.forks = [w for w in ch.forks if w.status == _PENDING and w not in cut]
         self._discard_lost(cut)
