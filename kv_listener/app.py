@@ -39,6 +39,7 @@ from kv_listener.core.salt import verify_cache_salt
 from kv_listener.core.tracker import Tracker, TrackerNotice
 from kv_listener.logging import configure_logging, get_logger
 from kv_listener.metrics import ListenerCollector, SourceView, new_registry
+from kv_listener.outputs.bus_client import BusClient
 from kv_listener.outputs.sse_server import RunningServer, create_app, serve, source_stats_entry
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.resolver.resolver import ChainResolver
@@ -210,6 +211,8 @@ class Listener:
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[bool] | None = None
         self._salt_secret: bytes | None = None
+        self.bus: BusClient | None = None
+        self._bus_task: asyncio.Task[None] | None = None
 
     # --- ListenerStatus for the HTTP app ------------------------------------------------------
 
@@ -255,6 +258,24 @@ class Listener:
         await rt.stop()
         log.info("source_stopped", backend=name)
 
+    def _start_bus(self) -> None:
+        """Push mode: dial out to the router's event bus (when configured) with the same byte
+        streams the SSE endpoint serves. The local SSE server keeps working alongside."""
+        if self.config.event_bus is None:
+            return
+        self.bus = BusClient(self.config.event_bus,
+                             lambda: [s.backend_name for s in self.config.sources], self.hub.open)
+        self._bus_task = asyncio.create_task(self.bus.run(), name="bus-client")
+        log.info("bus_client_started", url=self.config.event_bus.url,
+                 client_id=self.config.event_bus.client_id)
+
+    async def _stop_bus(self) -> None:
+        if self._bus_task is not None:
+            self._bus_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._bus_task
+        self.bus, self._bus_task = None, None
+
     async def reload(self) -> bool:
         """Re-read the config file; apply the differences; on error keep the running config."""
         if self.config_path is None:
@@ -294,6 +315,11 @@ class Listener:
             await self._start_source(new_sources[name])
         for name in added:
             await self._start_source(new_sources[name])
+        if old.event_bus != new.event_bus:
+            await self._stop_bus()
+            self._start_bus()
+        elif self.bus is not None and (added or removed):
+            self.bus.sources_changed()
         log.info("config_reloaded", path=str(self.config_path), sources=len(new.sources),
                  added=added, removed=removed, restarted=changed)
         return True
@@ -320,12 +346,20 @@ class Listener:
         try:
             for cfg in self.config.sources:
                 await self._start_source(cfg)
+            self._start_bus()
             log.info("listener_started", sources=len(self.config.sources),
                      listen=f"{self.config.listen_host}:{self.server.port}")
             await self._stop.wait()
             log.info("listener_stopping")
-            drained = await self.hub.drain(DRAIN_DEADLINE_S)
-            if not drained:
+            # Every stream (SSE and pushed) gets `draining`; the push client waits for the router
+            # to take the whole bodies. Both at once: the client's drain waits for the hub's.
+            deadline = DRAIN_DEADLINE_S
+            if self.config.event_bus is not None:
+                deadline = max(deadline, self.config.event_bus.drain_deadline_s)
+            results = await asyncio.gather(
+                self.hub.drain(deadline),
+                self.bus.drain() if self.bus is not None else asyncio.sleep(0))
+            if results[0] is False:
                 log.warning("drain_deadline_passed")
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -334,6 +368,7 @@ class Listener:
                 self._reloading.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._reloading
+            await self._stop_bus()
             if self.server is not None:
                 await self.server.stop()
             for name in list(self.runtimes):
