@@ -208,3 +208,89 @@ async def test_sigterm_sends_draining_and_exits_0(tmp_path: Path,
         assert await daemon.wait_exit() == 0
     finally:
         await daemon.stop()
+
+
+async def test_sighup_adds_and_removes_sources_keeping_the_others_history(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    secret = tmp_path / "salt.secret"
+    secret.write_text("s3cret")
+    p1, p2, p3 = free_port(), free_port(), free_port()
+    base = {"listen": f"127.0.0.1:{free_port()}", "cache_salt": {"secret_file": str(secret)}}
+    cfg = dict(base, sources=[source("vllm-1", "vllm", p1), source("vllm-2", "vllm", p2)])
+    tokens = list(range(7, 7 + 2 * BLOCK))
+
+    def salted(backend: str, system: str, tag: str) -> BlockStored:
+        key = hashlib.sha256(MODEL.encode() + b"\x00S" + system.encode()).digest()
+        salt = issue_cache_salt(b"s3cret", backend, key)
+        return stored(tokens, block_hashes(tokens, tag), extra_keys=((salt,), None))
+
+    async with Daemon(cfg, tmp_path) as daemon, \
+            SimPublisher(f"tcp://127.0.0.1:{p1}", mode="connect") as pub1:
+        async with sse(session, f"{daemon.base}/events/vllm-1") as c1:
+            await c1.next()
+            await pub1.wait_for_subscriber()
+            pub1.publish(encode_vllm_batch([salted("vllm-1", "kept", "a")], ts=1.0))
+            created = await c1.until(lambda e: e.event == "cache_created")
+            kept_id = created.id
+        async with sse(session, f"{daemon.base}/events/vllm-2") as c2:
+            await c2.next()
+            # drop vllm-2, add vllm-3; vllm-1 is unchanged and must keep its state and history
+            daemon.rewrite(dict(base, sources=[source("vllm-1", "vllm", p1),
+                                               source("vllm-3", "vllm", p3)]))
+            daemon.signal(signal.SIGHUP)
+            reloaded = await daemon.wait_log("config_reloaded")
+            assert (reloaded["added"], reloaded["removed"], reloaded["restarted"]) == \
+                (["vllm-3"], ["vllm-2"], [])
+            ended = await c2.until(lambda e: e.event == "draining")  # its stream ends
+            assert data(ended)["backend"] == "vllm-2"
+        async with session.get(f"{daemon.base}/events/vllm-2") as resp:
+            assert resp.status == 404
+        # vllm-1 resumes from its old ID with no resync: same epoch, history kept
+        async with sse(session, f"{daemon.base}/events/vllm-1", kept_id) as c1:
+            pub1.publish(encode_vllm_batch([salted("vllm-1", "after reload", "b")], ts=2.0))
+            nxt = await c1.next()
+            assert nxt.event == "cache_created" and nxt.id is not None
+            assert kept_id is not None
+            assert nxt.id.split("-")[0] == kept_id.split("-")[0]
+            assert int(nxt.id.split("-")[1]) == int(kept_id.split("-")[1]) + 1
+        async with SimPublisher(f"tcp://127.0.0.1:{p3}", mode="connect") as pub3, \
+                sse(session, f"{daemon.base}/events/vllm-3") as c3:
+            await c3.next()
+            await pub3.wait_for_subscriber()
+            pub3.publish(encode_vllm_batch([salted("vllm-3", "new one", "c")], ts=3.0))
+            new = await c3.until(lambda e: e.event == "cache_created")
+            assert data(new)["backend"] == "vllm-3"
+        # an invalid file is logged and the running config stays
+        daemon.rewrite("sources: [{backend_name: 'bad name'}]\n")
+        daemon.signal(signal.SIGHUP)
+        failed = await daemon.wait_log("config_reload_failed")
+        assert any("sources[0].backend_name" in e for e in failed["errors"])
+        async with session.get(f"{daemon.base}/stats") as resp:
+            assert sorted((await resp.json())["sources"]) == ["vllm-1", "vllm-3"]
+
+
+async def test_changed_source_restarts_behind_a_cache_cleared(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    secret = tmp_path / "salt.secret"
+    secret.write_text("s3cret")
+    port = free_port()
+    base = {"listen": f"127.0.0.1:{free_port()}", "cache_salt": {"secret_file": str(secret)}}
+    tokens = list(range(3, 3 + BLOCK))
+    key = hashlib.sha256(MODEL.encode() + b"\x00S" + b"sys").digest()
+    salt = issue_cache_salt(b"s3cret", "vllm-1", key)
+    async with Daemon(dict(base, sources=[source("vllm-1", "vllm", port)]), tmp_path) as daemon, \
+            SimPublisher(f"tcp://127.0.0.1:{port}", mode="connect") as pub, \
+            sse(session, f"{daemon.base}/events/vllm-1") as client:
+        await client.next()
+        await pub.wait_for_subscriber()
+        pub.publish(encode_vllm_batch([stored(tokens, block_hashes(tokens), extra_keys=((salt,),))],
+                                      ts=1.0))
+        await client.until(lambda e: e.event == "cache_created")
+        daemon.rewrite(dict(base, sources=[source("vllm-1", "vllm", port, zmq_topic="kv")]))
+        daemon.signal(signal.SIGHUP)
+        reloaded = await daemon.wait_log("config_reloaded")
+        assert reloaded["restarted"] == ["vllm-1"]
+        cleared = await client.until(lambda e: e.event == "cache_cleared")
+        assert cleared.id is not None  # a live record on the same stream, not a resync
+        async with session.get(f"{daemon.base}/stats") as resp:
+            assert (await resp.json())["sources"]["vllm-1"]["prefixes_live"] == 0
