@@ -38,7 +38,7 @@ from kv_listener.core.model import (
 from kv_listener.core.salt import verify_cache_salt
 from kv_listener.core.tracker import Tracker, TrackerNotice
 from kv_listener.logging import configure_logging, get_logger
-from kv_listener.metrics import ListenerCollector, SourceView, new_registry
+from kv_listener.metrics import BusView, ListenerCollector, SourceView, new_registry
 from kv_listener.outputs.bus_client import BusClient
 from kv_listener.outputs.sse_server import RunningServer, create_app, serve, source_stats_entry
 from kv_listener.outputs.streams import StreamHub
@@ -206,7 +206,7 @@ class Listener:
         self.hub = StreamHub.from_config(config)
         self.runtimes: dict[str, SourceRuntime] = {}
         self.registry: CollectorRegistry = new_registry(
-            ListenerCollector(self._source_views, self.hub.stream_views))
+            ListenerCollector(self._source_views, self.hub.stream_views, self._bus_view))
         self.server: RunningServer | None = None
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[bool] | None = None
@@ -233,6 +233,26 @@ class Listener:
 
     def metrics_registry(self) -> CollectorRegistry:
         return self.registry
+
+    def extra_stats(self) -> dict[str, Any]:
+        """`/stats` beyond sources and streams: the push-mode client, when configured."""
+        if self.bus is None:
+            return {}
+        st = self.bus.stats
+        return {"event_bus": {
+            "connected": st.connected, "session_id": st.session_id, "connects": st.connects,
+            "sessions": st.sessions, "failures": dict(st.failures),
+            "streams_opened": st.streams_opened, "streams_ended": dict(st.streams_ended),
+            "bytes_pushed": st.bytes_pushed, "next_retry_in_s": st.next_retry_in_s,
+        }}
+
+    def _bus_view(self) -> BusView | None:
+        if self.bus is None:
+            return None
+        st = self.bus.stats
+        return BusView(connected=st.connected, connects=st.connects, sessions=st.sessions,
+                       failures=dict(st.failures), streams_opened=st.streams_opened,
+                       streams_ended=dict(st.streams_ended), bytes_pushed=st.bytes_pushed)
 
     def _source_views(self) -> list[SourceView]:
         views = []

@@ -78,14 +78,29 @@ _TRACKER_COUNTERS: tuple[tuple[str, str], ...] = (
 )
 
 
+@dataclass(slots=True)
+class BusView:
+    """What the push-mode client exposes (see outputs.bus_client.BusClientStats)."""
+
+    connected: bool = False
+    connects: int = 0
+    sessions: int = 0
+    failures: Mapping[str, int] = field(default_factory=dict)  # BusFailure -> n
+    streams_opened: int = 0
+    streams_ended: Mapping[str, int] = field(default_factory=dict)  # PushEnd -> n
+    bytes_pushed: int = 0
+
+
 class ListenerCollector(Collector):
     def __init__(
         self,
         sources: Callable[[], Iterable[SourceView]],
         streams: Callable[[], Iterable[StreamView]] = lambda: (),
+        bus: Callable[[], BusView | None] = lambda: None,
     ) -> None:
         self._sources = sources
         self._streams = streams
+        self._bus = bus
 
     def collect(self) -> Iterator[Metric]:
         views = list(self._sources())
@@ -162,6 +177,31 @@ class ListenerCollector(Collector):
         yield clients
         yield overflow
         yield records
+
+        bus = self._bus()
+        if bus is None:
+            return
+        g = GaugeMetricFamily(PREFIX + "bus_connected", "1 while a push-mode session with the "
+                              "router's event bus is welcome.")
+        g.add_metric([], 1.0 if bus.connected else 0.0)
+        yield g
+        for name, doc, value in (
+            ("bus_connects", "Connection attempts to the router's event bus.", bus.connects),
+            ("bus_sessions", "Push-mode sessions welcomed by the router.", bus.sessions),
+            ("bus_streams_opened", "Streams pushed on the router's request.", bus.streams_opened),
+            ("bus_bytes_pushed", "SSE bytes pushed to the router.", bus.bytes_pushed),
+        ):
+            c = CounterMetricFamily(PREFIX + name, doc)
+            c.add_metric([], float(value))
+            yield c
+        for name, doc, counts in (
+            ("bus_failures", "Push-mode connection or session failures, by reason.", bus.failures),
+            ("bus_streams_ended", "Pushed streams ended, by reason.", bus.streams_ended),
+        ):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["reason"])
+            for reason, n in sorted(counts.items()):
+                c.add_metric([str(reason)], float(n))
+            yield c
 
 
 def new_registry(collector: Collector | None = None) -> CollectorRegistry:

@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 from kv_listener.logging import configure_logging, get_logger
-from kv_listener.metrics import ListenerCollector, SourceView, StreamView, new_registry, render
+from kv_listener.metrics import BusView, ListenerCollector, SourceView, StreamView, new_registry, render
 from kv_listener.stats import SourceStats
 from tests.conftest import ROOT
 
@@ -108,3 +108,16 @@ def test_console_format_and_debug_level() -> None:
         assert not out.lstrip().startswith("{")
     finally:
         structlog.reset_defaults()
+
+
+def test_push_mode_metrics_only_when_configured() -> None:
+    stats = SourceStats(engine="vllm")
+    without = render(new_registry(ListenerCollector(lambda: [SourceView("b", stats)]))).decode()
+    assert "bus_connected" not in without
+    bus = BusView(connected=True, connects=3, sessions=2, failures={"tls": 1}, bytes_pushed=99)
+    text = render(new_registry(ListenerCollector(lambda: [SourceView("b", stats)],
+                                                 bus=lambda: bus))).decode()
+    assert "continuum_kv_listener_bus_connected 1.0" in text
+    assert "continuum_kv_listener_bus_connects_total 3.0" in text
+    assert 'continuum_kv_listener_bus_failures_total{reason="tls"} 1.0' in text
+    assert "continuum_kv_listener_bus_bytes_pushed_total 99.0" in text

@@ -152,11 +152,15 @@ def create_app(hub: StreamHub, status: ListenerStatus) -> Starlette:
             entry = sources.setdefault(name, {})
             for key, value in stream_stats.items():
                 entry.setdefault(key, value)
-        return JSONResponse({
+        body: dict[str, Any] = {
             "sources": sources,
             "streams": {"clients": hub.clients, "max_sse_clients": hub.max_sse_clients,
                         "draining": hub.draining},
-        })
+        }
+        extra = getattr(status, "extra_stats", None)  # optional: e.g. the push client's state
+        if extra is not None:
+            body.update(extra())
+        return JSONResponse(body)
 
     return Starlette(routes=[
         Route("/events/{backend}", events, methods=["GET"]),
