@@ -53,7 +53,7 @@ SECRET = b"k"
 BACKEND = "b"
 # System prompts that share prefixes: 1 leaves 0 inside its content, 3 extends 0 where 0 ends
 # (so they first differ at 0's END), 4 differs from 0 in its last content token.
-SYSTEMS = [list(range(10, 19)), list(range(10, 16)) + [40, 41, 42], list(range(50, 56)),
+SYSTEMS = [list(range(10, 19)), [*range(10, 16), 40, 41, 42], list(range(50, 56)),
            [*range(10, 19), 77, 78], [*range(10, 18), 99]]
 MODEL = "m"
 
