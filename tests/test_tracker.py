@@ -106,7 +106,7 @@ def verifier(backend: str = BACKEND) -> partial[bytes | None]:
     return partial(verify_cache_salt, SECRET, backend)
 
 
-class Engine0:
+class PrefixCache:
     """A source that stores prompts the way an engine with prefix caching does: the full blocks
     of a prompt, the already-cached ones not again (parent = last cached block)."""
 
@@ -151,7 +151,7 @@ SYSTEM = list(range(10, 31))  # 21 tokens: the system prompt region ends at toke
 
 def test_root_chain_asks_once_and_resolution_creates_the_prefix() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(SYSTEM, [100, 101, 102])  # 29 tokens -> 7 full blocks, 28 tokens
     assert e.store(prompt) == []
     reqs = t.take_resolve_requests()
@@ -171,7 +171,7 @@ def test_root_chain_asks_once_and_resolution_creates_the_prefix() -> None:
 
 def test_descendants_inherit_without_new_requests() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(SYSTEM, [100, 101, 102])
     e.store(prompt)
     serve(t)
@@ -185,7 +185,7 @@ def test_descendants_inherit_without_new_requests() -> None:
 
 def test_child_arriving_while_its_chain_is_resolved_inherits_the_answer() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(SYSTEM, [100, 101, 102])
     e.store(prompt)
     reqs = t.take_resolve_requests()
@@ -198,7 +198,7 @@ def test_child_arriving_while_its_chain_is_resolved_inherits_the_answer() -> Non
 
 def test_branch_under_a_chain_being_resolved_waits_and_inherits() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(SYSTEM, [100, 101, 102]))
     reqs = t.take_resolve_requests()
     e.store(chat(SYSTEM, [150, 151, 152]))  # forks under a block of the chain being resolved
@@ -213,7 +213,7 @@ def test_branch_under_a_chain_being_resolved_waits_and_inherits() -> None:
 
 def test_users_sharing_a_system_prompt_cost_two_requests_without_a_hint() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(SYSTEM, [100, 101, 102]))
     reqs, out = serve(t, hint=False)
     assert len(reqs) == 1 and kinds(out) == [("created", 28)]
@@ -234,7 +234,7 @@ def test_users_sharing_a_system_prompt_cost_two_requests_without_a_hint() -> Non
 
 def test_with_the_hint_one_request_serves_every_user_of_a_system_prompt() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     for u in range(10):
         e.store(chat(SYSTEM, [100 + u, 5, 6, 7]))
         serve(t, hint=True)
@@ -244,7 +244,7 @@ def test_with_the_hint_one_request_serves_every_user_of_a_system_prompt() -> Non
 
 def test_branch_with_another_system_prompt_gets_its_own_key() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(SYSTEM, [100, 101, 102]))
     serve(t, hint=False)
     other = [*SYSTEM[:10], 99, *SYSTEM[11:]]  # differs at token 12, inside the system content
@@ -260,7 +260,7 @@ def test_branch_with_another_system_prompt_gets_its_own_key() -> None:
 
 def test_pending_is_retried_when_the_chain_grows_and_failed_stays_pending() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     long_system = list(range(10, 40))  # 30 tokens: the first 3 blocks do not close it
     prompt = chat(long_system, [100, 101])
     e.store(prompt[:12])
@@ -281,7 +281,7 @@ def test_pending_is_retried_when_the_chain_grows_and_failed_stays_pending() -> N
 
 def test_growth_during_a_pending_answer_asks_again_at_once() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(list(range(10, 40)), [100, 101])
     e.store(prompt[:12])
     reqs = t.take_resolve_requests()
@@ -295,7 +295,7 @@ def test_growth_during_a_pending_answer_asks_again_at_once() -> None:
 
 def test_unattributed_discards_the_chain_and_its_descendants() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     completion = [50, 51, 52, 53, 54, 55, 56, 57]
     e.store(completion)
     reqs, out = serve(t)
@@ -309,7 +309,7 @@ def test_unattributed_discards_the_chain_and_its_descendants() -> None:
 
 def test_chain_still_pending_at_max_chain_tokens_is_discarded() -> None:
     t = make(limits=Limits(max_chain_tokens=16))
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(list(range(10, 40)), [100, 101])
     e.store(prompt[:24])
     assert t.tokens_retained == 16  # tokens past the cap are not kept
@@ -324,7 +324,7 @@ def test_chain_still_pending_at_max_chain_tokens_is_discarded() -> None:
 
 def test_chain_resolved_within_max_chain_tokens_keeps_growing_past_it() -> None:
     t = make(limits=Limits(max_chain_tokens=32))
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(SYSTEM, [100, 101, 102], list(range(200, 240)))
     e.store(prompt)
     reqs, out = serve(t)
@@ -334,7 +334,7 @@ def test_chain_resolved_within_max_chain_tokens_keeps_growing_past_it() -> None:
 
 def test_lora_chains_ask_with_the_adapter_name() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(SYSTEM, [100]), lora_name="sql-lora")
     reqs, out = serve(t)
     assert reqs[0].model == "sql-lora"
@@ -344,7 +344,7 @@ def test_lora_chains_ask_with_the_adapter_name() -> None:
 
 def test_first_message_rule_without_a_system_prompt() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(None, [100, 101, 102, 103, 104]))
     serve(t)
     assert t.snapshot() == {key_for("m", None, [100, 101, 102, 103, 104]).hex(): (8, Tier.GPU_HOT)}
@@ -398,7 +398,7 @@ def test_forged_or_foreign_salt_discards_the_chain() -> None:
 
 def test_salt_on_a_continuation_block_is_ignored() -> None:
     t = make(Engine.SGLANG, salt_verifier=verifier())
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(SYSTEM, [100, 101, 102])
     e.store(prompt[:8])
     hs = hashes_of(prompt)
@@ -410,7 +410,7 @@ def test_salt_on_a_continuation_block_is_ignored() -> None:
 
 def test_vllm_strings_that_are_not_salts_are_ignored() -> None:
     t = make(salt_verifier=verifier())
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(SYSTEM, [100]), extra_keys=(("sql-lora", "tenant-a"),), lora_name="sql-lora")
     assert t.salt_rejected == 0
     assert len(t.take_resolve_requests()) == 1
@@ -497,7 +497,7 @@ def test_medium_none_means_gpu_when_stored_and_every_medium_when_removed() -> No
 
 def test_block_stored_is_idempotent() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(SYSTEM, [100, 101, 102])
     e.store(prompt)
     serve(t)
@@ -595,7 +595,7 @@ def test_only_the_full_attention_group_is_tracked() -> None:
 )
 def test_clears_drop_everything_with_one_transition(clear: EventBatch | SourceCleared) -> None:
     t = make(salt_verifier=verifier())
-    e = Engine0(t)
+    e = PrefixCache(t)
     salted(t, [1, 2], 8)
     e.store(chat(SYSTEM, [100]))
     reqs = t.take_resolve_requests()
@@ -671,7 +671,7 @@ def test_retained_tokens_stay_within_the_bound() -> None:
 
 def test_pending_chain_losing_a_middle_block_discards_what_is_below() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(list(range(10, 40)), [100])
     e.store(prompt[:16])
     hs = hashes_of(prompt)
@@ -684,7 +684,7 @@ def test_pending_chain_losing_a_middle_block_discards_what_is_below() -> None:
 
 def test_removing_the_head_of_a_pending_chain_asks_for_the_rest() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(list(range(10, 40)), [100])
     e.store(prompt[:16])
     hs = hashes_of(prompt)
@@ -698,7 +698,7 @@ def test_removing_the_head_of_a_pending_chain_asks_for_the_rest() -> None:
 
 def test_resolved_without_a_valid_key_counts_as_failed() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(SYSTEM, [100]))
     req = t.take_resolve_requests()[0]
     assert t.on_resolved(ResolveOutcome(req.head, ResolveStatus.RESOLVED, key=b"short")) == []
@@ -712,7 +712,7 @@ def test_resolved_without_a_valid_key_counts_as_failed() -> None:
 
 def test_tokens_retained_counts_exactly_the_tokens_held() -> None:
     t = make(limits=Limits(max_tracked_blocks=500))
-    e = Engine0(t)
+    e = PrefixCache(t)
     for u in range(200):
         e.store(chat(SYSTEM if u % 3 else list(range(40, 70)), [100 + u, 1, 2, 3, 4, 5]))
         if u % 4 == 0:
@@ -726,42 +726,49 @@ def test_tokens_retained_counts_exactly_the_tokens_held() -> None:
 
 
 def test_filled_tracker_memory_stays_within_a_generous_bound() -> None:
-    n = 20000
-    t = make(limits=Limits(max_tracked_blocks=n))
-    t.apply(batch(stored([1], list(range(4)), extra_keys=((SALT,),))))
-    t2 = make(limits=Limits(max_tracked_blocks=n), salt_verifier=verifier())
+    n = 12800
+    t = make(limits=Limits(max_tracked_blocks=n), salt_verifier=verifier())
+    big = 1 << 63  # real hashes are 64-bit: 36-byte ints
+    # one long salted chain: attributed records, no tokens kept
+    evs = [stored([big + i], [i % 1000] * BS, None if i == 0 else big + i - 1,
+                  extra_keys=((SALT,),) if i == 0 else None) for i in range(n)]
     tracemalloc.start()
     try:
-        before = tracemalloc.take_snapshot()
-        h, parent = 1, None
-        evs = []
-        for i in range(n):  # one long salted chain plus pending chains: every kind of record
-            ev = stored([h], [i % 1000] * BS, parent,
-                        extra_keys=((SALT,),) if parent is None else None)
-            evs.append(ev)
-            parent, h = h, h + 1
+        before = tracemalloc.get_traced_memory()[0]
         for ev in evs:
-            t2.apply(batch(ev))
-        del evs
-        after = tracemalloc.take_snapshot()
+            t.apply(batch(ev))
+        grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    grown = sum(s.size_diff for s in after.compare_to(before, "filename"))
-    assert t2.blocks_tracked == n
-    assert grown / n < 400  # bench/tracker.py prints the exact figure (~250 bytes)
-    assert t.blocks_tracked == 1
+    assert t.blocks_tracked == n and t.tokens_retained == 0
+    assert t.snapshot() == {KEY.hex(): (n * BS, Tier.GPU_HOT)}
+    # ~250 bytes per block (bench/tracker.py prints the exact figure): records, ints, index
+    assert grown / n < 400
+    # and the tokens of pending chains cost 4 bytes each, not a Python int apiece
+    t2 = make(limits=Limits(max_tracked_blocks=n))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for c in range(n // 64):
+            toks = [SYS, *[(c * 64 + i) % 50000 + 10 for i in range(64 * BS - 1)]]
+            t2.apply(batch(stored(hashes_of(toks, seed=c + 1), toks)))
+        grown2 = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert t2.tokens_retained == (n // 64) * 64 * BS
+    assert (grown2 - grown * t2.blocks_tracked / n) / t2.tokens_retained < 6
 
 
 def test_a_head_whose_answer_is_out_is_not_asked_again_but_adopted() -> None:
     # The resolver drops a second request for a head it holds: after a clear the same chain
     # (same head, same tokens) takes over the outstanding answer instead of asking again.
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     prompt = chat(SYSTEM, [100])
     e.store(prompt)
     reqs = t.take_resolve_requests()
     t.apply(batch(AllBlocksCleared()))
-    Engine0(t).store(prompt)
+    PrefixCache(t).store(prompt)
     assert t.take_resolve_requests() == []
     o, _ = answer(reqs[0])
     assert kinds(t.on_resolved(o)) == [("created", 24)]
@@ -770,7 +777,7 @@ def test_a_head_whose_answer_is_out_is_not_asked_again_but_adopted() -> None:
 
 def test_a_different_request_for_an_outstanding_head_waits_for_its_answer() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(SYSTEM, [100, 101, 102]))
     serve(t, hint=False)
     user2 = chat(SYSTEM, [150, 151, 152])
@@ -778,7 +785,7 @@ def test_a_different_request_for_an_outstanding_head_waits_for_its_answer() -> N
     probe = t.take_resolve_requests()
     assert [len(r.tokens) for r in probe] == [24]
     t.apply(batch(AllBlocksCleared()))
-    Engine0(t).store(user2)  # the same head again, now a whole chain of 28 tokens
+    PrefixCache(t).store(user2)  # the same head again, now a whole chain of 28 tokens
     assert t.take_resolve_requests() == []  # the resolver still holds that head
     o, _ = answer(probe[0])
     assert t.on_resolved(o) == [] and t.stale_outcomes == 1
@@ -788,7 +795,7 @@ def test_a_different_request_for_an_outstanding_head_waits_for_its_answer() -> N
 
 def test_forget_requests_asks_again() -> None:
     t = make()
-    e = Engine0(t)
+    e = PrefixCache(t)
     e.store(chat(SYSTEM, [100]))
     first = t.take_resolve_requests()
     t.forget_requests()  # the resolver was replaced: that answer will never come

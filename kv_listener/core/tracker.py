@@ -62,13 +62,20 @@ Rules and choices, with the engine behaviour they come from (reference/wire-form
   how many leading tokens determine the key can say so (`key_tokens`), which saves the probe.
   `PENDING` and `FAILED` leave the chain pending until it grows; `UNATTRIBUTED` discards it and
   its descendants; a chain that reaches `max_chain_tokens` still pending is discarded.
+- *Requests out.* The resolver keeps one call per head and drops a second request for a head it
+  holds, so a head is never asked again while its answer is out, even after the chain that asked
+  is gone (cleared, pruned): a new chain with that head (the same tokens) adopts the answer, or
+  asks once it is in. An answer is applied only to the path it was asked for: when a block on
+  root..head goes while the request is out, the chain asks again for what is left. After the
+  resolver is replaced, `forget_requests()` makes every chain ask again.
 - *Memory.* A block keeps tokens only while they may be sent to the resolver (pending chains,
-  within `max_chain_tokens`); attributed and discarded blocks keep none. The record is an
-  `array('I')` subclass holding its own segment (4 bytes per token, no second object per block).
-  When `max_tracked_blocks` or `max_retained_tokens` is exceeded after an event, the least
-  recently stored records go first (a record is refreshed when stored again or when a child is
-  stored under it, so hot shared prefixes outlive cold tails); a prefix is evicted only when its
-  last attributed block goes.
+  within `max_chain_tokens`); a resolved chain whose blocks shorter than d remain keeps one copy
+  of root..d instead of theirs; attributed and discarded blocks keep none. The record is an
+  `array('I')` subclass holding its own segment (4 bytes per token, no second object per block;
+  `bench/tracker.py` prints the figures). When `max_tracked_blocks` or `max_retained_tokens` is
+  exceeded after an event or an answer, the least recently stored records go first (a record is
+  refreshed when stored again or when a child is stored under it, so hot shared prefixes outlive
+  cold tails); a prefix is evicted only when its last attributed block goes.
 """
 
 from __future__ import annotations
@@ -845,7 +852,10 @@ class Tracker:
             # A branch under a chain being resolved waits for its answer (SPEC §4: one call per
             # distinct chain); under an idle pending chain it asks for itself.
             fork = self._new_chain(model, prev.hash)
-            st.forks.append(fork)
+            forks = st.forks
+            if len(forks) >= 64 and not len(forks) & (len(forks) - 1):  # at 64, 128, 256, ...
+                st.forks = forks = [w for w in forks if w.status == _PENDING]
+            forks.append(fork)
             fork.waiting = st.busy()
             return fork, None, _STEP_NEW
         if st.status == _RESOLVED and st.key is not None:
