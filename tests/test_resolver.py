@@ -412,3 +412,35 @@ def test_demo_tokenizer_is_shipped() -> None:
     text = "<|im_start|>user\n안녕<|im_end|>\n"
     assert demo.decode(demo.encode(text, add_special_tokens=False)) == text
     assert demo.chat_template == chatml().chat_template
+
+
+async def test_key_tokens_is_the_shortest_deciding_prefix_with_a_local_tokenizer() -> None:
+    outcomes: list[ResolveOutcome] = []
+    tok = chatml()
+    resolver = ChainResolver(detokenizer=LocalDetokenizer(tok), parser=chatml_parser(),
+                             on_outcome=outcomes.append, local_tokenizer=tok)
+    try:
+        out = await resolver.resolve(ResolveRequest(1, "m", SYSTEM_CHAT))
+    finally:
+        await resolver.close()
+    assert out.status is ResolveStatus.RESOLVED
+    n = out.key_tokens
+    assert n is not None and 0 < n < len(SYSTEM_CHAT)
+    parser = chatml_parser()
+    at = parser.parse_prompt(tok.decode(SYSTEM_CHAT[:n].tolist(), skip_special_tokens=False))
+    before = parser.parse_prompt(tok.decode(SYSTEM_CHAT[:n - 1].tolist(),
+                                            skip_special_tokens=False))
+    assert prefix_key("m", at.system_text, at.first_text) == out.key
+    assert before.status is not ResolveStatus.RESOLVED
+    # the deciding prefix ends with the system turn's end delimiter
+    assert tok.decode(SYSTEM_CHAT[:n].tolist(), skip_special_tokens=False).endswith("<|im_end|>")
+
+
+async def test_no_key_tokens_without_a_local_tokenizer() -> None:
+    resolver = ChainResolver(detokenizer=LocalDetokenizer(chatml()), parser=chatml_parser(),
+                             on_outcome=lambda _: None)
+    try:
+        out = await resolver.resolve(ResolveRequest(1, "m", SYSTEM_CHAT))
+    finally:
+        await resolver.close()
+    assert out.status is ResolveStatus.RESOLVED and out.key_tokens is None

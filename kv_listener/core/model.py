@@ -166,6 +166,10 @@ class ResolveOutcome:
     status: ResolveStatus
     key: bytes | None = None
     reason: str | None = None
+    #: RESOLVED only, optional: how many leading tokens of the request already decide the key
+    #: (end of the system / first-message content and its delimiter, or the max_prefix_length
+    #: cut). Lets the tracker give the key to later chains sharing those tokens without asking.
+    key_tokens: int | None = None
 
 
 # --- Tracker output: prefix transitions, consumed by the per-backend event log -----------------

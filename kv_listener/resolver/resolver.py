@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from array import array
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -80,6 +81,7 @@ class ChainResolver:
         max_backlog: int = 10000,
         max_decode_tokens: int = DEFAULT_MAX_DECODE_TOKENS,
         name: str = "source",
+        local_tokenizer: Any = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
@@ -94,6 +96,9 @@ class ChainResolver:
         self.max_decode_tokens = max_decode_tokens
         self.name = name
         self._on_outcome = on_outcome
+        #: A local copy of the engine's tokenizer (the source's `tokenizer`), when there is one:
+        #: used to find `key_tokens`, the shortest token prefix that already decides the key.
+        self._local = local_tokenizer
         self._queue: asyncio.Queue[ResolveRequest] = asyncio.Queue()
         self._heads: set[int] = set()  # queued or running
         self._workers: list[asyncio.Task[None]] = []
@@ -162,7 +167,7 @@ class ChainResolver:
         log.info("resolver_ready", backend=source.backend_name, template=parser.source,
                  decoder="http" if isinstance(detokenizer, HttpDetokenizer) else "local")
         return cls(detokenizer=detokenizer, parser=parser, on_outcome=on_outcome,
-                   max_prefix_length=max_prefix_length, stats=stats,
+                   max_prefix_length=max_prefix_length, stats=stats, local_tokenizer=tokenizer,
                    max_concurrency=max_concurrency, max_backlog=max_backlog,
                    max_decode_tokens=max_decode_tokens, name=source.backend_name)
 
@@ -268,7 +273,38 @@ class ChainResolver:
         self.counters["resolved:S" if parsed.system_text else "resolved:M"] += 1
         if self.parser.trims_content(parsed):
             self.counters["resolved_trimming_template"] += 1
-        return ResolveOutcome(req.head, ResolveStatus.RESOLVED, key=key)
+        key_tokens = None
+        if self._local is not None:
+            key_tokens = await asyncio.to_thread(self._deciding_tokens, req.model, tokens, key)
+        return ResolveOutcome(req.head, ResolveStatus.RESOLVED, key=key, key_tokens=key_tokens)
+
+    def _deciding_tokens(self, model: str, tokens: array[int], key: bytes) -> int | None:
+        """The fewest leading tokens that resolve to `key`, by bisection with the local
+        tokenizer (a prefix that resolves keeps resolving to the same key as it grows: the
+        content is complete, or `max_prefix_length` bytes of it are there). Costs about
+        log2(len) local decodes, no engine call; it saves a request for every later chain
+        that shares those tokens (many users behind one system prompt). None on any doubt."""
+        ids = tokens.tolist()
+
+        def decides(n: int) -> bool:
+            try:
+                text = self._local.decode(ids[:n], skip_special_tokens=False)
+            except Exception:  # tokenizer backends raise anything: no hint then
+                return False
+            parsed = self.parser.parse_prompt(text, self.max_prefix_length)
+            return parsed.status is ResolveStatus.RESOLVED and prefix_key(
+                model, parsed.system_text, parsed.first_text, self.max_prefix_length) == key
+
+        if not decides(len(ids)):
+            return None
+        lo, hi = 0, len(ids)  # decides(hi) is true; decides(lo) taken as false
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if decides(mid):
+                hi = mid
+            else:
+                lo = mid
+        return hi
 
     def _deliver(self, outcome: ResolveOutcome) -> None:
         if self._closed:
