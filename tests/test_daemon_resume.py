@@ -546,3 +546,32 @@ async def test_slow_consumer_overflows_while_a_fast_one_gets_every_record(
                 await again.until(is_created(marker))
             assert part1 + [as_tuple(e) for e in again.events] == [as_tuple(e) for e in fast.events]
             assert (await stats(session, daemon))["resumes"] == 1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BackendStreams.fan_out overflows every consumer when one publish carries more than max_lag "
+    "records, even a consumer whose queue is empty (it has read everything); the pump publishes "
+    "all batches queued at a wake-up at once, so a backlog does this to fast consumers too"))
+async def test_one_large_batch_does_not_overflow_a_consumer_that_is_caught_up(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    zport = free_port()
+    engine = SaltedEngine(seed=11)
+    max_lag = 50
+    cfg = config(tmp_path, zport, max_lag=max_lag, update_interval="0ms")
+    async with Daemon(cfg, tmp_path) as daemon, \
+            SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub:
+        async with sse(session, f"{daemon.base}/events/{BACKEND}") as fast:
+            first = await fast.next()
+            assert first.id is not None
+            epoch = first.id.rpartition("-")[0]
+            await pub.wait_for_subscriber()
+            # One engine step that stores more new prefixes than max_lag; the consumer is idle,
+            # reading, with nothing queued.
+            events: list[KvEvent] = []
+            for _ in range(max_lag + 10):
+                events += engine.create(1)[1]
+            publish(pub, events)
+            last = await fast.until(lambda e: e.event == "buffer_overflow"
+                                    or e.id == f"{epoch}-{max_lag + 10}")
+            assert last.event == "cache_created"
+            assert (await stats(session, daemon))["buffer_overflows"] == 0
