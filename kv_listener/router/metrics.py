@@ -16,6 +16,7 @@ values come from. A label value outside its allow-list is folded into `other` (b
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Iterable
 
@@ -90,6 +91,18 @@ class RouterMetrics:
                     continue
                 self.routing_decisions.labels(decision=d.value, tier=t.value)
         self.fallback_active.set(0)
+
+    def set_backends(self, backends: Iterable[str]) -> None:
+        """Replace the backend allow-list (a config reload added or removed event sources): a new
+        backend gets its `continuum_kv_consumer_connected` series at 0, a removed one loses it
+        (an alert on `== 0` must not fire for a backend that is gone). Counters are kept."""
+        new = frozenset(backends)
+        for b in sorted(self.backends - new):
+            with contextlib.suppress(KeyError):
+                self.consumer_connected.remove(b)
+        for b in sorted(new - self.backends):
+            self.consumer_connected.labels(backend=b).set(0)
+        self.backends = new
 
     def _backend(self, backend: str) -> str:
         return backend if backend in self.backends else OTHER_BACKEND
