@@ -1,6 +1,9 @@
 """Command line: argv -> config -> app. Exit codes: 0 ok, 1 runtime failure, 2 usage/config error.
 
     continuum-kv-listener --config PATH           run the listener
+    continuum-kv-listener router --config PATH    run the companion router (ROUTER.yaml)
+    continuum-kv-listener demo [--duration S] [--engines N] [--headless]
+                                                  the whole pipeline locally, simulated engines
     continuum-kv-listener config validate PATH    check a listener or router file
     continuum-kv-listener --version
 
@@ -49,7 +52,44 @@ def _build_parser() -> argparse.ArgumentParser:
     val = cfg_sub.add_parser("validate", help="check a listener or router configuration file")
     val.add_argument("path", metavar="PATH")
 
+    rtr = sub.add_parser("router", help="run the companion router (KV index, scorer, consumers, "
+                                        "event bus, admin JSON)")
+    rtr.add_argument("--config", "-c", metavar="PATH", dest="router_config", required=True,
+                     help="router configuration file (YAML, top-level kv_cache_index)")
+
+    demo = sub.add_parser("demo", help="run simulated engines, the listener and the router on "
+                                       "127.0.0.1 with a live view")
+    demo.add_argument("--duration", metavar="S", type=_duration_s, default=None,
+                      help="stop after S seconds (default: run until Ctrl-C)")
+    demo.add_argument("--engines", metavar="N", type=_engines, default=2,
+                      help=f"simulated engines, {MIN_ENGINES}..{MAX_ENGINES} (default 2)")
+    demo.add_argument("--headless", action="store_true",
+                      help="no live view; print only the summary (also when stdout is not a TTY)")
     return p
+
+
+MIN_ENGINES, MAX_ENGINES = 2, 8
+
+
+def _duration_s(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 86400 * 365:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _engines(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not MIN_ENGINES <= value <= MAX_ENGINES:
+        raise argparse.ArgumentTypeError(f"must be between {MIN_ENGINES} and {MAX_ENGINES}, "
+                                         f"got {value}")
+    return value
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -112,6 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.config_command != "validate":
                 return _fail("config needs an action: 'config validate PATH'")
             return cmd_validate(args.path)
+        if args.command == "router":
+            from kv_listener.router.app import run_router  # noqa: PLC0415
+
+            return run_router(args.router_config)
+        if args.command == "demo":
+            from kv_listener.demo import run_demo  # noqa: PLC0415
+
+            return run_demo(args.duration, engines=args.engines, headless=args.headless)
         if args.config is None:
             return _fail("nothing to do: give --config PATH to run, or a command (see --help)")
         from kv_listener.app import run_listener  # noqa: PLC0415
