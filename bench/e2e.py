@@ -1,7 +1,7 @@
 """End-to-end figures of the running daemon: ZMQ publish -> `python -m kv_listener` -> SSE receipt.
 Prints figures; asserts nothing.
 
-    /work/venv/bin/python bench/e2e.py [--duration 10] [--rate 5000] [--step-ms 10] [--window 2000]
+    /work/venv/bin/python bench/e2e.py [--duration 10] [--rate 5000] [--step-ms 10] [--window 4000]
 
 The real daemon runs as a subprocess (config in a temp dir, free ports, one vLLM source with salt
 verification, no detokenize); in this process a `SimPublisher` (vLLM 0.33 map encoding) plays the
@@ -15,7 +15,9 @@ engine at steady state, the publisher also evicts its oldest chains once `--live
 (one `cache_evicted` each), so the daemon's tracker and live set stay bounded.
 
 (a) sustained throughput: batches of `--batch` blocks as fast as the daemon keeps up (at most
-    `--window` blocks published and not yet seen over SSE, below the default `max_lag`); prints
+    `--window` blocks published and not yet seen over SSE: 2 records each, so everything in
+    flight stays below the default `max_lag` of 10,000 records; a smaller window leaves the
+    daemon idle between round trips, a larger one risks buffer_overflow); prints
     blocks/s whose `cache_created` reached the consumer, SSE records/s, and CPU of both processes.
 (b) fixed rate: `--rate` blocks/s in one batch per `--step-ms` (a vLLM scheduler step); the
     publish time of each chain is kept here (prefix -> perf_counter) and compared with the
@@ -114,7 +116,9 @@ class Engine:
         while len(self.cached) > self.live:
             old.append(self.cached.popleft()[1])
         if old:
-            events.append(BlockRemoved(block_hashes=tuple(old), medium="GPU"))
+            # an engine frees blocks to make room, then stores: the evictions go first (and the
+            # creations, which the bench waits for, come last)
+            events.insert(0, BlockRemoved(block_hashes=tuple(old), medium="GPU"))
         return prefixes, encode_vllm_batch(events, ts=time.time(), version="0.33")
 
 
@@ -275,7 +279,7 @@ if __name__ == "__main__":
     ap.add_argument("--rate", type=float, default=5000.0, help="blocks/s of phase (b)")
     ap.add_argument("--step-ms", type=float, default=10.0, help="one batch per step in phase (b)")
     ap.add_argument("--batch", type=int, default=100, help="blocks per batch in phase (a)")
-    ap.add_argument("--window", type=int, default=2000,
+    ap.add_argument("--window", type=int, default=4000,
                     help="phase (a): most blocks published and not yet received")
     ap.add_argument("--live", type=int, default=20000, help="chains cached before evicting")
     asyncio.run(main(ap.parse_args()))
