@@ -205,14 +205,15 @@ class Listener:
         self.config_path = config_path
         self.hub = StreamHub.from_config(config)
         self.runtimes: dict[str, SourceRuntime] = {}
+        self.bus: BusClient | None = None
+        self._bus_task: asyncio.Task[None] | None = None
+        # registering collects once at once: everything the collector reads must exist by now
         self.registry: CollectorRegistry = new_registry(
             ListenerCollector(self._source_views, self.hub.stream_views, self._bus_view))
         self.server: RunningServer | None = None
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[bool] | None = None
         self._salt_secret: bytes | None = None
-        self.bus: BusClient | None = None
-        self._bus_task: asyncio.Task[None] | None = None
 
     # --- ListenerStatus for the HTTP app ------------------------------------------------------
 

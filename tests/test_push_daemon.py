@@ -59,11 +59,7 @@ from tests.support.tls import CertFiles, TlsMaterial
 #: object has no attribute 'bus'): `Listener.__init__` registers `ListenerCollector(...,
 #: self._bus_view)` with prometheus_client, whose `register()` calls `collect()` at once, before
 #: `self.bus` is assigned a few lines further down.
-DAEMON_CANNOT_START = pytest.mark.xfail(strict=True, reason=(
-    "app.py (ab4c776): Listener.__init__ builds the metrics registry, which collects "
-    "_bus_view() at registration, before self.bus exists: the daemon exits at start"))
-
-pytestmark = [pytest.mark.timeout(60), DAEMON_CANNOT_START]
+pytestmark = [pytest.mark.timeout(60)]
 
 BACKEND = "vllm-1"
 MODEL = "tiny-chat"

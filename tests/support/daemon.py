@@ -75,13 +75,13 @@ class Daemon:
                     rec["_seen"] = True
                     return rec
             while True:
-                rec = await self._lines.get()
-                if rec is None:
+                line = await self._lines.get()
+                if line is None:
                     raise AssertionError(f"daemon exited before logging {event!r}: {self.logs[-5:]}")
-                self.logs.append(rec)
-                if rec.get("event") == event and all(rec.get(k) == v for k, v in match.items()):
-                    rec["_seen"] = True
-                    return rec
+                self.logs.append(line)
+                if line.get("event") == event and all(line.get(k) == v for k, v in match.items()):
+                    line["_seen"] = True
+                    return line
 
     def signal(self, sig: signal.Signals) -> None:
         assert self.proc is not None
@@ -108,7 +108,11 @@ class Daemon:
             self.proc.stderr.close()
 
     async def __aenter__(self) -> Daemon:
-        return await self.start()
+        try:
+            return await self.start()
+        except BaseException:
+            await self.stop()  # reap the process and close its pipe even when start failed
+            raise
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
