@@ -55,10 +55,6 @@ from tests.support.bus import TOKEN_A, TOKEN_B, TOKEN_BROKER, brokers, write_tok
 from tests.support.daemon import Daemon, SseClient, sse
 from tests.support.tls import CertFiles, TlsMaterial
 
-#: Remove once app.py is fixed: at ab4c776 every daemon start dies with AttributeError ('Listener'
-#: object has no attribute 'bus'): `Listener.__init__` registers `ListenerCollector(...,
-#: self._bus_view)` with prometheus_client, whose `register()` calls `collect()` at once, before
-#: `self.bus` is assigned a few lines further down.
 pytestmark = [pytest.mark.timeout(60)]
 
 BACKEND = "vllm-1"
