@@ -633,11 +633,13 @@ class BusClient:
                 self._reload = False
                 self._wakeup.clear()
                 session_welcomed_for = 0.0
+                detail = ""
                 try:
                     session_welcomed_for = await self._run_session()
                     failure = BusFailure.DRAINED if self._draining else BusFailure.RELOAD
                 except BusError as exc:
                     failure = exc.reason
+                    detail = exc.detail  # router's refusal reason, TLS error text: no secrets
                     if self._reload and not self._draining:
                         failure = BusFailure.RELOAD
                     if self._session is not None and self._session.welcomed_at is not None:
@@ -664,7 +666,8 @@ class BusClient:
                 delay = self._backoff.next_delay()
                 self.stats.next_retry_in_s = delay
                 self._notify()
-                log.warning("bus_session_lost", reason=failure.value, retry_in_s=round(delay, 3))
+                log.warning("bus_session_lost", reason=failure.value, detail=detail[:300],
+                            retry_in_s=round(delay, 3))
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(delay):
                         await self._wakeup.wait()
