@@ -51,6 +51,8 @@ log = get_logger("kv_listener.app")
 
 #: Batches a source may queue ahead of the tracker before it drops and clears (never blocks).
 SOURCE_QUEUE_SIZE = 10000
+#: Queued engine batches applied before their transitions are published together.
+PUMP_BATCHES_PER_PUBLISH = 64
 #: How long a stopping daemon waits for streams to take their `draining` record.
 DRAIN_DEADLINE_S = 5.0
 #: Backoff of a crashed source task: doubles from the first value up to the second.
@@ -156,11 +158,15 @@ class SourceRuntime:
         while True:
             item = await self.queue.get()
             transitions = self._apply(item)
-            # Drain what is already queued in one go: one publish per wake-up, not per batch.
-            while not self.queue.empty():
+            # Drain what is already queued, one publish per wake-up rather than per batch, but
+            # in bounded steps so one publish stays small next to consumers' max_lag.
+            n = 1
+            while not self.queue.empty() and n < PUMP_BATCHES_PER_PUBLISH:
                 transitions.extend(self._apply(self.queue.get_nowait()))
-            self.stats.queue_depth = 0
+                n += 1
+            self.stats.queue_depth = self.queue.qsize()
             self._publish(transitions)
+            await asyncio.sleep(0)  # let the streams write and the source receive in between
 
     def _apply(self, item: SourceItem) -> list[PrefixTransition]:
         try:

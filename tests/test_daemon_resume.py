@@ -548,10 +548,6 @@ async def test_slow_consumer_overflows_while_a_fast_one_gets_every_record(
             assert (await stats(session, daemon))["resumes"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BackendStreams.fan_out overflows every consumer when one publish carries more than max_lag "
-    "records, even a consumer whose queue is empty (it has read everything); the pump publishes "
-    "all batches queued at a wake-up at once, so a backlog does this to fast consumers too"))
 async def test_one_large_batch_does_not_overflow_a_consumer_that_is_caught_up(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
     zport = free_port()

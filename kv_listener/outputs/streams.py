@@ -115,13 +115,18 @@ class BackendStreams:
     def fan_out(self, records: list[Record]) -> None:
         if not records:
             return
-        encoded = [encode_record(r) for r in records]
         for r in records:
             self.counters.records[r.event.value] += 1
+        if not self.consumers:
+            return  # nobody to encode for (a later consumer replays from the log)
+        encoded = [encode_record(r) for r in records]
         for c in self.consumers:
             if c.end is not None:
                 continue
-            if len(c.queue) + len(encoded) > self.max_lag:
+            # Lag is what a consumer has not taken yet. One publish bigger than max_lag does not
+            # make a consumer that had taken everything "slow": it gets the batch whole, and is
+            # cut off only if it still holds a backlog when more arrives.
+            if c.queue and len(c.queue) + len(encoded) > self.max_lag:
                 # Free its backlog now; it resumes from the last ID it holds.
                 c.queue.clear()
                 c.end = EndReason.BUFFER_OVERFLOW
