@@ -769,13 +769,14 @@ async def test_against_the_listener_sse_server_into_a_real_index() -> None:
             hub.publish(B, [transition(3)])  # live
             assert (await applied.next()).id == f"{epoch}-3"
 
-            # One batch larger than max_lag: this consumer is cut off with buffer_overflow and
-            # resumes from epoch-3 out of the history.
-            hub.publish(B, [transition(i) for i in range(10, 20)])
-            replayed = await applied.take(10)
+            # A backlog growing past max_lag (two publishes before the consumer can read): it is
+            # cut off with buffer_overflow and resumes from epoch-3 out of the history.
+            hub.publish(B, [transition(i) for i in range(10, 13)])
+            hub.publish(B, [transition(i) for i in range(13, 18)])
+            replayed = await applied.take(8)
             assert [parse_event_id(r.id or "") for r in replayed] == [
-                (epoch, seq) for seq in range(4, 14)]
-            assert [r.prefix_hash for r in replayed] == [f"{i:064x}" for i in range(10, 20)]
+                (epoch, seq) for seq in range(4, 12)]
+            assert [r.prefix_hash for r in replayed] == [f"{i:064x}" for i in range(10, 18)]
             assert m.stats()[B]["ended"] == {"buffer_overflow": 1}
             assert hub.stats()[B]["resumes"] == 1
             assert sleep.delays == [1.0]
@@ -792,10 +793,10 @@ async def test_against_the_listener_sse_server_into_a_real_index() -> None:
             s = m.stats()[B]
             assert s["ended"] == {"buffer_overflow": 1, "draining": 1}
             assert (s["last_event_id"], s["dropped"], s["connected"]) == (f"{new_epoch}-0", {}, True)
-            assert s["applied_by_event"] == {"cache_cleared": 2, "cache_created": 13}
+            assert s["applied_by_event"] == {"cache_cleared": 2, "cache_created": 11}
             assert m.source_statuses() == [SourceStatus(
-                backend_name=B, connected=True, events_received=15, events_dropped=0,
-                index_created=13, index_evicted=0, reconnect_count=2, last_event_at=1000.0)]
+                backend_name=B, connected=True, events_received=13, events_dropped=0,
+                index_created=11, index_evicted=0, reconnect_count=2, last_event_at=1000.0)]
     finally:
         await hub.drain(timeout_s=1)
         await server.stop()
