@@ -313,8 +313,12 @@ class ListenerProcess:
         if self.proc is None:
             return 0
         if grace_s > 0 and not self.stopping.is_set() and self.proc.returncode is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stopping.wait(), grace_s)
+            waiters = {asyncio.create_task(self.stopping.wait()),
+                       asyncio.create_task(self.proc.wait())}
+            _, pending = await asyncio.wait(waiters, timeout=grace_s,
+                                            return_when=asyncio.FIRST_COMPLETED)
+            for t in pending:
+                t.cancel()
         if self.proc.returncode is None and not self.stopping.is_set():
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
@@ -562,10 +566,10 @@ class Demo:
         try:
             with tempfile.TemporaryDirectory(prefix="kv-listener-demo-") as tmp:
                 try:
-                    await self.setup(Path(tmp))
-                    if not self.live:
-                        self._print_start()
-                    failure = await self._run_traffic(view)
+                    if await self._setup_or_stop(Path(tmp)):
+                        if not self.live:
+                            self._print_start()
+                        failure = await self._run_traffic(view)
                 except DemoError as exc:
                     failure = str(exc)
                 except Exception as exc:  # a bug: one line for the operator, details in the log
@@ -579,15 +583,34 @@ class Demo:
                 loop.remove_signal_handler(sig)
             if view is not None:
                 view.close()
-        if failure is None and code != 0:
+        # A Ctrl-C that reached the listener while it was still starting (before its signal
+        # handlers) ends it by SIGINT: the same interruption as ours, not a failure.
+        interrupted = self.signal is signal.SIGINT and code == -signal.SIGINT
+        if failure is None and code != 0 and not interrupted:
             failure = f"the listener exited with status {code} after SIGTERM"
         if failure is not None:
             sys.stderr.write(f"{PROG}: error: demo: {failure}\n")
-        elif not self.live:
+        elif not self.live and self._started_at:
             self._print_end()
         self.out.write(summary_line(self.totals) + "\n")
         self.out.flush()
         return 0 if failure is None else 1
+
+    async def _setup_or_stop(self, tmp: Path) -> bool:
+        """Set up, unless a signal comes first (Ctrl-C while the listener starts): then False,
+        and whatever was started is stopped by `teardown`."""
+        setup = asyncio.create_task(self.setup(tmp), name="demo-setup")
+        stopped = asyncio.create_task(self.stop.wait())
+        try:
+            await asyncio.wait({setup, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not setup.done():
+            setup.cancel()
+            await asyncio.gather(setup, return_exceptions=True)
+            return False
+        setup.result()  # raises what failed
+        return True
 
     async def _run_traffic(self, view: LiveView | None) -> str | None:
         self._started_at = time.monotonic()
