@@ -169,38 +169,41 @@ def _bar(fraction: float, width: int = 24) -> str:
     return "#" * filled + "." * (width - filled)
 
 
-def render_view(state: ViewState, width: int = 100) -> list[str]:
-    """The live view as plain lines (no escapes), each cut to `width` columns."""
+def render_view(state: ViewState, width: int = 80) -> list[str]:
+    """The live view as plain lines (no escapes), each cut to `width` columns; the tables fit
+    in 80."""
     if state.duration_s is not None:
         frac = min(1.0, state.elapsed_s / state.duration_s) if state.duration_s > 0 else 1.0
-        progress = (f"{state.elapsed_s:5.1f} s / {state.duration_s:g} s  "
-                    f"[{_bar(frac)}] {frac * 100:3.0f}%")
+        progress = (f"{state.elapsed_s:5.1f}s/{state.duration_s:g}s "
+                    f"[{_bar(frac, 16)}] {frac * 100:3.0f}%")
     else:
-        progress = f"{state.elapsed_s:5.1f} s  (until Ctrl-C)"
+        progress = f"{state.elapsed_s:5.1f}s"
     status = "done" if state.done else "stopping..." if state.stopping else "Ctrl-C to stop"
     lines = [
-        f"{PROG} demo  {progress}   {status}",
-        f"engines -ZMQ-> listener ({state.listener}) -SSE-> router (admin {state.admin_url})",
+        f"{PROG} demo  {progress}  {status}",
+        f"engines -ZMQ-> listener ({state.listener}) -SSE-> router",
+        f"router admin: {state.admin_url}",
         "",
-        f"{'backend':<10} {'running':>7} {'requests':>8} {'kv_aware':>8} {'fallback':>8} "
-        f"{'hit rate':>8} {'cached blocks':>13} {'index records':>13}  stream",
+        f"{'backend':<8} {'run':>4} {'requests':>8} {'kv_aware':>8} {'fallback':>8} "
+        f"{'hit rate':>8} {'cached':>8} {'records':>7}  stream",
     ]
     for b in state.backends:
         c = b.counters
         lines.append(
-            f"{b.name:<10} {b.running:>7} {c.requests:>8} {c.kv_aware:>8} {c.fallback:>8} "
-            f"{c.hit_rate:>8.2f} {f'{b.cached_blocks}/{b.total_blocks}':>13} {b.records:>13}  "
-            f"{'connected' if b.connected else 'down'}")
+            f"{b.name:<8} {b.running:>4} {c.requests:>8} {c.kv_aware:>8} {c.fallback:>8} "
+            f"{c.hit_rate:>8.2f} {f'{b.cached_blocks}/{b.total_blocks}':>8} {b.records:>7}  "
+            f"{'up' if b.connected else 'down'}")
     lines += ["", f"{'system prompt':<14} {'prefix hash':<14} holders in the router's index "
-                  "(backend: cached tokens)"]
+                  "(tokens)"]
     for p in state.prefixes:
         holders = "  ".join(f"{b}: {n}" for b, n in p.holders) if p.holders else "-"
         lines.append(f"{p.label:<14} {p.prefix_hash[:12] + '..':<14} {holders}")
     if state.other_prefixes:
         lines.append(f"{'(other)':<14} {state.other_prefixes} more prefixes")
     t = state.totals
-    extra = f"   listener warnings: {state.listener_warnings}" if state.listener_warnings else ""
-    lines += ["", f"{summary_line(t)}   ({t.requests} served, {state.rate_rps:.1f} req/s){extra}"]
+    lines += ["", f"{summary_line(t)}  ({t.requests} served, {state.rate_rps:.1f} req/s)"]
+    if state.listener_warnings:
+        lines.append(f"listener warnings: {state.listener_warnings}")
     return [line[:width] for line in lines]
 
 
@@ -540,7 +543,7 @@ class Demo:
             elapsed_s=elapsed, duration_s=self.duration_s, backends=tuple(backends),
             prefixes=prefixes, other_prefixes=len(set(holders) - set(labels)),
             totals=self.totals,
-            listener=f"pid {self.listener.pid}, 127.0.0.1:{self.listener_port}",
+            listener=f"pid {self.listener.pid}, port {self.listener_port}",
             admin_url=f"http://127.0.0.1:{self.admin_port}/admin/kv-index/stats",
             listener_warnings=self.listener.warnings, stopping=self.stopping, done=done,
             rate_rps=len(self._served_times) / min(5.0, max(elapsed, 1e-3)))

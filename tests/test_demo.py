@@ -113,9 +113,10 @@ def test_view_renders_backends_prefixes_and_the_summary() -> None:
     lines = render_view(state, width=200)
     text = "\n".join(lines)
     assert "50%" in lines[0] and "Ctrl-C to stop" in lines[0]
-    assert re.search(r"^vllm-1\s+2\s+10\s+8\s+2\s+0\.85\s+120/256\s+14\s+connected$", text, re.M)
+    assert re.search(r"^vllm-1\s+2\s+10\s+8\s+2\s+0\.85\s+120/256\s+14\s+up$", text, re.M)
     assert re.search(rf"^support\s+{hashes['support'][:12]}\.\.\s+vllm-1: 576$", text, re.M)
     assert re.search(r"^travel\s+\S+\s+-$", text, re.M)
     assert lines[-1].startswith("routing: kv_aware=8 fallback=2 hit_rate=0.85")
+    assert max(len(line) for line in render_view(state, width=200)) <= 80  # fits a terminal
     assert all(len(line) <= 40 for line in render_view(state, width=40))
     assert summary_line(Totals()) == "routing: kv_aware=0 fallback=0 hit_rate=0.00"
