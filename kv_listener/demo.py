@@ -87,11 +87,17 @@ class DemoError(Exception):
     """The demo could not run (the listener did not start, ...): one line for the operator."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the listener's `listen` needs one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports on 127.0.0.1 that were free a moment ago (the listener binds its
+    HTTP and ZMQ addresses from its config file, where port 0 cannot be read back)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:  # all held open at once, so the ports differ
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 # --- counters and the view ---------------------------------------------------------------------
@@ -342,10 +348,11 @@ class ListenerProcess:
 
 def listener_config(port: int, engines: Sequence[SimEngine], detokenize_url: str,
                     tokenizer_dir: str) -> dict[str, Any]:
-    """The listener's YAML for the demo: one vLLM source per engine. The engines bind (vLLM's
-    `tcp://*:port` form) and the listener connects, so no port can be taken in between. Prompts
-    are decoded by the engines' `/detokenize` (authoritative); the chat template is learned from
-    the same tokenizer directory the engines use, as an operator with the model's files would."""
+    """The listener's YAML for the demo: one vLLM source per engine, in the usual deployment:
+    the listener binds each `zmq_endpoint` (publishers checked against `allowed_publishers`)
+    and the engine connects to it, vLLM's `tcp://host:port` form. Prompts are decoded by the
+    engines' `/detokenize` (authoritative); the chat template is learned from the same
+    tokenizer directory the engines use, as an operator with the model's files would."""
     return {
         "listen": f"127.0.0.1:{port}",
         "log": {"level": "info", "format": "json"},
@@ -353,7 +360,7 @@ def listener_config(port: int, engines: Sequence[SimEngine], detokenize_url: str
         "update_interval": "100ms",
         "sources": [
             {"backend_name": e.name, "engine": "vllm", "model": DEMO_MODEL,
-             "zmq_endpoint": e.endpoint, "zmq_mode": "connect",
+             "zmq_endpoint": e.endpoint, "zmq_mode": "bind",
              "replay_endpoint": e.replay_endpoint, "detokenize_endpoint": detokenize_url,
              "tokenizer": tokenizer_dir, "allowed_publishers": ["127.0.0.1"]}
             for e in engines
@@ -397,12 +404,15 @@ class Demo:
         self.detokenizer = await DetokenizeServer(
             tokenizer, info=tokenizer_info(DEMO_TOKENIZER_DIR)).start()
         timing = Timing()
-        for i, name in enumerate(self.names):
+        self.listener_port, *zmq_ports = free_ports(1 + len(self.names))
+        for i, (name, zmq_port) in enumerate(zip(self.names, zmq_ports, strict=True)):
+            # The engine connects to the address the listener will bind; ZMQ retries until it
+            # does, and `wait_for_subscriber` below confirms the connection.
             engine = SimEngine(name, tokenizer, num_blocks=ENGINE_BLOCKS, timing=timing,
+                               endpoint=f"tcp://127.0.0.1:{zmq_port}", mode="connect",
                                seed=SEED + i)
             self.engines[name] = engine
             await engine.start()
-        self.listener_port = free_port()
         config_path = tmp / "listener.yaml"
         config_path.write_text(yaml.safe_dump(listener_config(
             self.listener_port, list(self.engines.values()), self.detokenizer.url,

@@ -41,7 +41,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kv_listener.core.model import MEDIUM_GPU, BlockRemoved, BlockStored, KvEvent
 from kv_listener.sim.encode import encode_vllm_batch
@@ -375,8 +375,10 @@ class SimEngine:
     sends one event batch per scheduling step (vLLM 0.33 map encoding, replay buffer served).
 
     `endpoint` defaults to an ephemeral port the engine binds (read `endpoint` back after
-    `start()`), with the replay ROUTER on another. `generate()` runs a request with simulated
-    time and at most `max_num_seqs` at once; `serve()` runs one synchronously.
+    `start()`); with `mode="connect"` the engine connects to a listener that bound it (vLLM's
+    `tcp://host:port` form). The replay ROUTER always binds, by default on an ephemeral port.
+    `generate()` runs a request with simulated time and at most `max_num_seqs` at once;
+    `serve()` runs one synchronously.
     """
 
     def __init__(
@@ -387,6 +389,7 @@ class SimEngine:
         num_blocks: int = 512,
         block_size: int = DEFAULT_BLOCK_SIZE,
         endpoint: str = "tcp://127.0.0.1:0",
+        mode: Literal["bind", "connect"] = "bind",
         replay_endpoint: str | None = "tcp://127.0.0.1:0",
         max_num_seqs: int = 16,
         timing: Timing | None = None,
@@ -395,7 +398,7 @@ class SimEngine:
         self.name = name
         self.tokenizer = tokenizer
         self.core = EngineCore(num_blocks, block_size)
-        self.publisher = SimPublisher(endpoint, mode="bind", replay_endpoint=replay_endpoint)
+        self.publisher = SimPublisher(endpoint, mode=mode, replay_endpoint=replay_endpoint)
         self.timing = timing or Timing()
         self.max_num_seqs = max_num_seqs
         self.running = 0
