@@ -352,6 +352,9 @@ class Listener:
         return True
 
     def _on_sighup(self) -> None:
+        if self._stop.is_set():
+            log.info("config_reload_ignored", reason="stopping")
+            return
         if self._reloading is not None and not self._reloading.done():
             log.warning("config_reload_busy")
             return
@@ -361,15 +364,25 @@ class Listener:
         loop = asyncio.get_running_loop()
         self._salt_secret = read_secret(self.config.cache_salt.secret_file,
                                         self.config.cache_salt.secret_env)
+        # Installed for the whole run, shutdown included: a second SIGTERM/Ctrl-C while draining
+        # must not kill the process half-way (it only re-requests the stop already under way).
+        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
+        loop.add_signal_handler(signal.SIGINT, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        try:
+            await self._serve_until_stopped()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+        log.info("listener_stopped")
+
+    async def _serve_until_stopped(self) -> None:
         app = create_app(self.hub, self)
         try:
             self.server = await serve(app, self.config.listen_host, self.config.listen_port)
         except OSError as exc:
             raise ConfigError([f"listen: cannot bind {self.config.listen_host}:"
                                f"{self.config.listen_port}: {exc.strerror or exc}"]) from None
-        loop.add_signal_handler(signal.SIGTERM, self.request_stop)
-        loop.add_signal_handler(signal.SIGINT, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         try:
             for cfg in self.config.sources:
                 await self._start_source(cfg)
@@ -389,19 +402,15 @@ class Listener:
             if results[0] is False:
                 log.warning("drain_deadline_passed")
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
             if self._reloading is not None:
                 self._reloading.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._reloading
             await self._stop_bus()
-            if self.server is not None:
-                await self.server.stop()
+            await self.server.stop()
             for name in list(self.runtimes):
                 await self._stop_source(name)
             self.hub.close()
-        log.info("listener_stopped")
 
 
 def run_listener(config_path: str | Path) -> int:

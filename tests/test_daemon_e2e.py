@@ -294,3 +294,21 @@ async def test_changed_source_restarts_behind_a_cache_cleared(
         assert cleared.id is not None  # a live record on the same stream, not a resync
         async with session.get(f"{daemon.base}/stats") as resp:
             assert (await resp.json())["sources"]["vllm-1"]["prefixes_live"] == 0
+
+
+async def test_a_second_sigterm_while_draining_still_exits_0(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    cfg = {"listen": f"127.0.0.1:{free_port()}", "sources": [source("vllm-1", "vllm", free_port())]}
+    daemon = await Daemon(cfg, tmp_path).start()
+    try:
+        client = await SseClient(session, f"{daemon.base}/events/vllm-1").connect()
+        await client.next()
+        daemon.signal(signal.SIGTERM)
+        await daemon.wait_log("listener_stopping")
+        daemon.signal(signal.SIGTERM)  # impatient operator
+        daemon.signal(signal.SIGINT)
+        assert (await client.until(lambda e: e.event == "draining")).id is None
+        client.close()
+        assert await daemon.wait_exit() == 0
+    finally:
+        await daemon.stop()
