@@ -89,3 +89,14 @@ def test_round_trip_and_binding(secret: bytes, backend: str, key: bytes) -> None
     assert verify_cache_salt(secret, backend, salt) == key
     assert verify_cache_salt(secret, backend + "x", salt) is None
     assert verify_cache_salt(secret + b"x", backend, salt) is None
+
+
+def test_router_module_exports_the_salt_and_key_functions() -> None:
+    from kv_listener import router  # noqa: PLC0415
+
+    key = router.request_prefix_key({"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [
+        {"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hi"}]})
+    assert key is not None
+    assert router.issue_cache_salt(b"s3cret", "vllm-1", key) == (
+        "crs1:6b913e22b32520efcfc547b83f6b5df8c006788e9a691b16b94d3f86352e4afb:"
+        "8a12d1c171aa1fc5455355d772f847b3")

@@ -1,1 +1,10 @@
-"""Companion router module: consumers, event-bus server, KV index, scorer, admin. Imports core only."""
+"""Companion router module: consumers, event-bus server, KV index, scorer, admin. Imports core only.
+
+What an embedding Python router needs first is exported here: the request-side prefix key
+(SPEC §2) and the cache salt it may send with each request (SPEC §3).
+"""
+
+from kv_listener.core.prefix import prefix_hash, prefix_key, request_prefix_key
+from kv_listener.core.salt import issue_cache_salt, verify_cache_salt
+
+__all__ = ["issue_cache_salt", "prefix_hash", "prefix_key", "request_prefix_key", "verify_cache_salt"]
