@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import random
 import signal
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,13 +87,9 @@ class SourceRuntime:
         self._tasks: list[asyncio.Task[None]] = []
 
     def _new_tracker(self, *, can_detokenize: bool) -> Tracker:
-        verifier: Callable[[str], bytes | None] | None = None
+        verifier = None
         if self._salt_secret is not None:
-            secret, backend = self._salt_secret, self.cfg.backend_name
-
-            def verifier(salt: str) -> bytes | None:
-                return verify_cache_salt(secret, backend, salt)
-
+            verifier = functools.partial(verify_cache_salt, self._salt_secret, self.cfg.backend_name)
         return Tracker(engine=self.cfg.engine, model=self.cfg.model, limits=self.cfg.limits,
                        salt_verifier=verifier, can_detokenize=can_detokenize)
 
