@@ -312,3 +312,30 @@ async def test_a_second_sigterm_while_draining_still_exits_0(
         assert await daemon.wait_exit() == 0
     finally:
         await daemon.stop()
+
+
+async def test_sglang_unsalted_chain_through_sglang_detokenize(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    """SGLang's /detokenize answers {"text"} and drops special tokens unless asked not to: the
+    listener must send skip_special_tokens=false, or the role markers vanish and nothing parses."""
+    detok = await DetokenizeServer(TOK, engine="sglang").start()
+    zport = free_port()
+    cfg = {"listen": f"127.0.0.1:{free_port()}",
+           "sources": [source("sglang-1", "sglang", zport, detokenize_endpoint=detok.url)]}
+    try:
+        async with Daemon(cfg, tmp_path) as daemon, \
+                SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub, \
+                sse(session, f"{daemon.base}/events/sglang-1") as client:
+            await client.next()
+            await pub.wait_for_subscriber()
+            tokens = chat_tokens(SYSTEM, USER)
+            hashes = block_hashes(tokens)
+            # SGLang 0.5.17 array form, one event per page run; len(tokens) == block_size * hashes
+            pub.publish(encode_sglang_batch([stored(tokens, hashes)], ts=1.0, version="0.5.17"))
+            created = await client.until(lambda e: e.event == "cache_created")
+            assert data(created)["prefix_hash"] == spec_hash(MODEL, system=SYSTEM)
+            assert data(created)["token_count"] == len(hashes) * BLOCK
+            assert detok.requests and all(r.get("skip_special_tokens") is False
+                                          for r in detok.requests)
+    finally:
+        await detok.close()
