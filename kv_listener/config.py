@@ -9,6 +9,7 @@ what the operator meant.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import ipaddress
 import os
 import re
@@ -148,6 +149,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 T = TypeVar("T")
+E = TypeVar("E", bound=enum.Enum)
 
 
 class Reader:
@@ -257,6 +259,30 @@ class Reader:
             )
             return default
         return value
+
+    def name(self, data: dict[str, Any], key: str, path: str, hint: str = "") -> str:
+        """A required `[A-Za-z0-9_-]{1,64}` identifier (backend name, client or broker id)."""
+        value = self.typed(data, key, path, str, "")
+        if key not in data:
+            self.error(f"{path}.{key}", f"is required{hint}")
+        elif not BACKEND_NAME_RE.match(value):
+            self.error(f"{path}.{key}", f"must match [A-Za-z0-9_-]{{1,64}}, got {value!r}")
+        return value
+
+    def enum(self, data: dict[str, Any], key: str, path: str, kind: type[E]) -> E | None:
+        """A required member of the string Enum `kind`, by value."""
+        names = [str(m.value) for m in kind]
+        values = ", ".join(names)
+        raw = self.typed(data, key, path, str, "")
+        if key not in data:
+            either = " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else values
+            self.error(f"{path}.{key}", f"is required ({either})")
+            return None
+        try:
+            return kind(raw)
+        except ValueError:
+            self.error(f"{path}.{key}", f"must be one of {values}, got {raw!r}")
+            return None
 
     def existing_file(self, path: str, value: str | None, *, directory: bool = False) -> None:
         if value is None:
@@ -383,21 +409,8 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
     data = r.mapping(raw, path, allowed)
     n_errors = len(r.errors)
 
-    name = r.typed(data, "backend_name", path, str, "")
-    if "backend_name" not in data:
-        r.error(f"{path}.backend_name", "is required")
-    elif not BACKEND_NAME_RE.match(name):
-        r.error(f"{path}.backend_name", f"must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
-
-    engine_name = r.typed(data, "engine", path, str, "")
-    engine: Engine | None = None
-    if "engine" not in data:
-        r.error(f"{path}.engine", "is required (vllm, sglang or trtllm)")
-    else:
-        try:
-            engine = Engine(engine_name)
-        except ValueError:
-            r.error(f"{path}.engine", f"must be one of vllm, sglang, trtllm, got {engine_name!r}")
+    name = r.name(data, "backend_name", path)
+    engine = r.enum(data, "engine", path, Engine)
 
     model = r.typed(data, "model", path, str, "")
     if "model" not in data:

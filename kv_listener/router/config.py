@@ -229,11 +229,7 @@ def _event_source(r: Reader, raw: Any, path: str) -> EventSourceConfig | None:
         return None
     data = r.mapping(raw, path, {"backend_name", "endpoint", "transport", "reconnect_interval_ms"})
     n_errors = len(r.errors)
-    name = r.typed(data, "backend_name", path, str, "")
-    if "backend_name" not in data:
-        r.error(f"{path}.backend_name", "is required")
-    elif not BACKEND_NAME_RE.match(name):
-        r.error(f"{path}.backend_name", f"must match [A-Za-z0-9_-]{{1,64}}, got {name!r}")
+    name = r.name(data, "backend_name", path)
     transport = Transport(r.choice(data, "transport", path, "sse", tuple(t.value for t in Transport)))
     endpoint = r.typed(data, "endpoint", path, str, None, nullable=True)
     if transport is Transport.SSE:
@@ -328,20 +324,8 @@ def _broker(r: Reader, raw: Any, path: str, mtls: bool) -> BrokerConfig | None:
         return None
     data = r.mapping(raw, path, {"id", "role", "token_hash", "backends"})
     n_errors = len(r.errors)
-    broker_id = r.typed(data, "id", path, str, "")
-    if "id" not in data:
-        r.error(f"{path}.id", "is required (the listener's event_bus.client_id)")
-    elif not BACKEND_NAME_RE.match(broker_id):
-        r.error(f"{path}.id", f"must match [A-Za-z0-9_-]{{1,64}}, got {broker_id!r}")
-    role_name = r.typed(data, "role", path, str, "")
-    role: BrokerRole | None = None
-    if "role" not in data:
-        r.error(f"{path}.role", "is required (kv_listener or broker)")
-    else:
-        try:
-            role = BrokerRole(role_name)
-        except ValueError:
-            r.error(f"{path}.role", f"must be one of kv_listener, broker, got {role_name!r}")
+    broker_id = r.name(data, "id", path, " (the listener's event_bus.client_id)")
+    role = r.enum(data, "role", path, BrokerRole)
     token_hash = r.typed(data, "token_hash", path, str, None, nullable=True)
     if token_hash is not None and not _TOKEN_HASH_RE.match(token_hash):
         r.error(f"{path}.token_hash", "must be 'sha256:' followed by 64 lowercase hex digits "
