@@ -30,6 +30,7 @@ from kv_listener.config import ConfigError, ListenerConfig, SourceConfig, load_c
 from kv_listener.core.model import (
     ClearReason,
     Engine,
+    EventBatch,
     PrefixTransition,
     ResolveOutcome,
     SourceCleared,
@@ -167,7 +168,15 @@ class SourceRuntime:
 
     def _apply(self, item: SourceItem) -> list[PrefixTransition]:
         try:
-            return self.tracker.apply(item)
+            before = self.tracker.clears
+            out = self.tracker.apply(item)
+            # An engine's own AllBlocksCleared (vLLM reset_prefix_cache, ...) is only seen here;
+            # TRT-LLM's `created` is counted by its source, which queues the clear itself.
+            if isinstance(item, EventBatch) and self.cfg.engine is not Engine.TRTLLM:
+                cleared = self.tracker.clears - before
+                if cleared:
+                    self.stats.clears[ClearReason.ENGINE_CLEARED.value] += cleared
+            return out
         except Exception as exc:  # a tracker bug must not stop ingestion: clear and go on
             self.log.error("tracker_error", error=type(exc).__name__, detail=str(exc))
             return self.tracker.apply(SourceCleared(ClearReason.SOURCE_RESTART))

@@ -130,6 +130,9 @@ async def test_vllm_map_unsalted_chain_through_detokenize(tmp_path: Path,
             cleared = await client.until(lambda e: e.event == "cache_cleared")
             assert "prefix_hash" not in data(cleared)
             assert len(detok.requests) >= 1
+            async with session.get(f"{daemon.base}/stats") as resp:
+                st = (await resp.json())["sources"]["vllm-1"]
+            assert (st["clears"], st["clears_by_reason"]) == (1, {"engine_cleared": 1})
     finally:
         await detok.close()
 
