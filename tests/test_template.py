@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from kv_listener.core.model import ResolveStatus
 from kv_listener.core.prefix import prefix_key
@@ -350,6 +353,34 @@ def test_template_source_with_special_tokens_from_tokenizer_info() -> None:
     assert (with_sys.system_text, with_sys.first_text) == ("S", None)
     without = p.parse_prompt("<｜begin▁of▁sentence｜><｜User｜>U<｜Assistant｜>")
     assert (without.system_text, without.first_text) == (None, "U")
+
+
+def word_level_tokenizer() -> Any:
+    """A real tokenizer whose vocabulary lacks most of the probe's text: decoding its encoding
+    of a rendered prompt gives `[UNK]`s back, an inexact round trip."""
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "user": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")  # type: ignore[no-untyped-call]
+
+
+def round_trip_warnings(learn: Any) -> int:
+    with capture_logs() as logs:
+        learn()
+    return sum(1 for e in logs if e["event"] == "chat_template_round_trip_inexact")
+
+
+def test_round_trip_is_checked_only_with_the_models_tokenizer() -> None:
+    source = (TOKENIZERS / "default-system" / "chat_template.jinja").read_text()
+    # Without a tokenizer (a template file, or vLLM's /tokenizer_info) there is nothing to
+    # round-trip through: no warning, and the layout is still learned.
+    assert round_trip_warnings(lambda: learn_from_template(source)) == 0
+    assert round_trip_warnings(lambda: build_prompt_parser(
+        tokenizer_info={"chat_template": source, "eos_token": "<|im_end|>"})) == 0
+    # With a tokenizer the check runs: silent when exact, a warning when not.
+    assert round_trip_warnings(
+        lambda: learn_from_template(source, tokenizer=tokenizer("default-system"))) == 0
+    assert round_trip_warnings(
+        lambda: learn_from_template(source, tokenizer=word_level_tokenizer())) == 1
 
 
 def test_merged_system_template() -> None:
