@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from kv_listener.core.model import Engine
 from kv_listener.resolver.detokenize import (
@@ -20,9 +21,12 @@ from kv_listener.resolver.detokenize import (
     DetokenizeError,
     HttpDetokenizer,
     LocalDetokenizer,
+    TokenizerInfoAnswer,
+    TokenizerInfoStatus,
     endpoint_label,
     fetch_tokenizer_info,
     parse_detokenize_response,
+    probe_tokenizer_info,
     tokenizer_info_url,
 )
 from kv_listener.resolver.template import load_tokenizer
@@ -323,6 +327,57 @@ async def test_local_detokenizer_tokenizer_error() -> None:
 
 
 # --- tokenizer_info, labels -------------------------------------------------------------------------
+
+
+class InfoServer(DetokenizeServer):
+    """The test server with a scripted `/tokenizer_info`: per request, an HTTP status,
+    "garbage" (HTML), "list" (JSON, not an object), "redirect" or "hold" (wait for
+    `release`); then the normal answer."""
+
+    def __init__(self, tokenizer: Any, tokenizer_info: dict[str, Any] | None) -> None:
+        super().__init__(tokenizer, tokenizer_info=tokenizer_info)
+        self.info_script: list[int | str] = []
+
+    async def __aenter__(self) -> InfoServer:
+        await self.start()
+        return self
+
+    async def _tokenizer_info(self, request: web.Request) -> web.StreamResponse:
+        step = self.info_script.pop(0) if self.info_script else None
+        if step == "hold":
+            await self.release.wait()
+        elif step == "garbage":
+            return web.Response(text="<html>not json</html>", content_type="text/html")
+        elif step == "list":
+            return web.json_response(["not", "an", "object"])
+        elif step == "redirect":
+            raise web.HTTPFound("/elsewhere")
+        elif isinstance(step, int):
+            return web.json_response({"detail": "scripted"}, status=step)
+        return await super()._tokenizer_info(request)
+
+
+async def test_probe_tokenizer_info_tells_final_from_transient() -> None:
+    info = {"chat_template": "{{ x }}", "bos_token": "<s>"}
+    found, absent = TokenizerInfoStatus.FOUND, TokenizerInfoStatus.ABSENT
+    unreachable = TokenizerInfoStatus.UNREACHABLE
+    async with InfoServer(chatml(), info) as server, aiohttp.ClientSession() as session:
+        url = tokenizer_info_url(server.url)
+        server.info_script = [404, 403, "garbage", "list", "redirect", 503, 502, 429, "hold"]
+        got = [await probe_tokenizer_info(session, url, 0.5) for _ in range(9)]
+        server.release.set()
+        last = await probe_tokenizer_info(session, url)
+    assert [(a.status, a.detail) for a in got] == [
+        (absent, "status 404"), (absent, "status 403"), (absent, "not JSON"),
+        (absent, "not a JSON object"), (absent, "status 302"),
+        (unreachable, "status 503"), (unreachable, "status 502"), (unreachable, "status 429"),
+        (unreachable, "timeout")]
+    assert all(a.info is None for a in got)
+    assert last == TokenizerInfoAnswer(found, info=info)
+    async with aiohttp.ClientSession() as session:
+        refused = await probe_tokenizer_info(
+            session, f"http://127.0.0.1:{free_port()}/tokenizer_info", 1.0)
+    assert refused.status is unreachable and refused.info is None
 
 
 async def test_fetch_tokenizer_info() -> None:

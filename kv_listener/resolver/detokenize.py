@@ -6,7 +6,8 @@ Owns: the two wire shapes (vLLM 0.9-0.33 `POST /detokenize` `{"model", "tokens"}
 the template parser needs; see wire-formats §2.7 and §3.4), per-call timeouts, retries with
 exponential backoff, a circuit breaker per endpoint, and typed errors whose reason is a metric
 label. The local path decodes with `skip_special_tokens=False` in a worker thread, so the event
-loop never blocks on a tokenizer.
+loop never blocks on a tokenizer. Also vLLM's `GET /tokenizer_info`, with its answer classified
+as found, absent (final) or unreachable (transient: ask again later).
 
 Never logs token IDs or decoded text: only the endpoint (scheme, host, port), reasons and counts.
 """
@@ -19,6 +20,7 @@ import json
 import time
 from array import array
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -323,21 +325,61 @@ def tokenizer_info_url(detokenize_url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path + "/tokenizer_info", "", ""))
 
 
-async def fetch_tokenizer_info(session: aiohttp.ClientSession, url: str,
-                               timeout_s: float = 5.0) -> dict[str, Any] | None:
-    """GET vLLM's `/tokenizer_info` (tokenizer config: `chat_template`, special tokens). None
-    when the endpoint is disabled (404), unreachable or answers something else than a JSON
-    object: the caller then falls back to the built-in recognizers."""
+class TokenizerInfoStatus(enum.StrEnum):
+    """What a `/tokenizer_info` request said. Values are log and metric labels."""
+
+    FOUND = "found"  # a JSON object (with or without a chat_template)
+    #: Final: the endpoint is disabled (404, vLLM without `--enable-tokenizer-info-endpoint`),
+    #: refused (another 4xx), or the server is not a vLLM (not JSON, not an object, a redirect,
+    #: too large). Asking again would get the same answer.
+    ABSENT = "absent"
+    #: Transient: connection refused or reset, timeout, 5xx or 429. An engine that is still
+    #: loading its model (a sidecar usually starts first) or restarting answers like this.
+    UNREACHABLE = "unreachable"
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerInfoAnswer:
+    status: TokenizerInfoStatus
+    info: dict[str, Any] | None = None  # set when FOUND
+    detail: str = ""  # a status code or an exception class name: safe to log
+
+
+async def probe_tokenizer_info(session: aiohttp.ClientSession, url: str,
+                               timeout_s: float = 5.0) -> TokenizerInfoAnswer:
+    """GET vLLM's `/tokenizer_info` (tokenizer config: `chat_template`, special tokens) and
+    classify the answer: FOUND with the JSON object, ABSENT (final) or UNREACHABLE (worth
+    asking again later). Never raises for a network or protocol failure."""
+    absent, unreachable = TokenizerInfoStatus.ABSENT, TokenizerInfoStatus.UNREACHABLE
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                allow_redirects=False) as resp:
-            if resp.status != 200:
-                return None
+            status = resp.status
+            if status >= 500 or status == 429:
+                return TokenizerInfoAnswer(unreachable, detail=f"status {status}")
+            if status != 200:
+                return TokenizerInfoAnswer(absent, detail=f"status {status}")
             raw = await read_capped(resp, MAX_RESPONSE_BYTES)
-    except (TimeoutError, aiohttp.ClientError, OSError, DetokenizeError):
-        return None
+    except DetokenizeError:
+        return TokenizerInfoAnswer(absent, detail="answer too large")
+    except TimeoutError:
+        return TokenizerInfoAnswer(unreachable, detail="timeout")
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as exc:
+        # Includes a server that closed the connection mid-answer (a restarting engine).
+        return TokenizerInfoAnswer(unreachable, detail=type(exc).__name__)
+    except aiohttp.ClientError as exc:  # invalid URL and the like: asking again will not help
+        return TokenizerInfoAnswer(absent, detail=type(exc).__name__)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
-        return None
-    return body if isinstance(body, dict) else None
+        return TokenizerInfoAnswer(absent, detail="not JSON")
+    if not isinstance(body, dict):
+        return TokenizerInfoAnswer(absent, detail="not a JSON object")
+    return TokenizerInfoAnswer(TokenizerInfoStatus.FOUND, info=body)
+
+
+async def fetch_tokenizer_info(session: aiohttp.ClientSession, url: str,
+                               timeout_s: float = 5.0) -> dict[str, Any] | None:
+    """The `/tokenizer_info` JSON object, or None whatever the reason (see
+    `probe_tokenizer_info` to tell a disabled endpoint from an unreachable engine)."""
+    return (await probe_tokenizer_info(session, url, timeout_s)).info
