@@ -5,23 +5,35 @@ tiny fixture tokenizers."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from array import array
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
+from structlog.testing import capture_logs
 
 from kv_listener.config import SourceConfig
 from kv_listener.core.model import Engine, ResolveOutcome, ResolveRequest, ResolveStatus
-from kv_listener.core.prefix import prefix_key
+from kv_listener.core.prefix import prefix_key, request_prefix_key
 from kv_listener.resolver.detokenize import HttpDetokenizer, LocalDetokenizer
-from kv_listener.resolver.resolver import BACKLOG_FULL, INTERNAL_ERROR, ChainResolver
+from kv_listener.resolver.resolver import (
+    BACKLOG_FULL,
+    DEFAULT_TEMPLATE_RETRY_S,
+    INTERNAL_ERROR,
+    TEMPLATE_RETRIES,
+    ChainResolver,
+)
 from kv_listener.resolver.template import (
     DEMO_TOKENIZER_DIR,
     PromptParser,
     learn_from_tokenizer,
     load_tokenizer,
 )
+from kv_listener.sim.detokenize_server import DetokenizeServer as SimDetokenizeServer
+from kv_listener.sim.detokenize_server import tokenizer_info
 from kv_listener.stats import SourceStats
 from tests.support.detokenize_server import DetokenizeServer
 
@@ -83,6 +95,12 @@ class Gate:
 
     async def close(self) -> None:
         self.closed = True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 async def next_outcome(queue: asyncio.Queue[ResolveOutcome]) -> ResolveOutcome:
@@ -444,3 +462,218 @@ async def test_no_key_tokens_without_a_local_tokenizer() -> None:
     finally:
         await resolver.close()
     assert out.status is ResolveStatus.RESOLVED and out.key_tokens is None
+
+
+# --- the engine's template, learned late (engine unreachable at start) ---------------------------
+
+DEFAULT_SYSTEM_DIR = TOKENIZERS / "default-system"
+#: What the default-system fixture template injects when a request has no system message.
+INJECTED_DEFAULT = "You are Tiny, a small model trained for tests. You are a helpful assistant."
+NO_SYSTEM_BODY: dict[str, Any] = {"model": "tiny",
+                                  "messages": [{"role": "user", "content": "안녕하세요, 도와주세요"}]}
+
+
+def default_system() -> Any:
+    if "default-system" not in _tok:
+        _tok["default-system"] = load_tokenizer(DEFAULT_SYSTEM_DIR)
+    return _tok["default-system"]
+
+
+def no_system_tokens() -> array[int]:
+    tok = default_system()
+    text = tok.apply_chat_template(NO_SYSTEM_BODY["messages"], tokenize=False,
+                                   add_generation_prompt=True)
+    assert INJECTED_DEFAULT in text
+    return array("I", tok.encode(text, add_special_tokens=False))
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class InfoServer(DetokenizeServer):
+    """The test server with a scripted `/tokenizer_info` (per request: an HTTP status, or "hold"
+    until `info_release`; then the normal answer), counting its requests."""
+
+    def __init__(self, tokenizer: Any, tokenizer_info: dict[str, Any] | None) -> None:
+        super().__init__(tokenizer, tokenizer_info=tokenizer_info)
+        self.info_script: list[int | str] = []
+        self.info_requests = 0
+        self.info_arrived = asyncio.Event()
+        self.info_release = asyncio.Event()
+
+    async def __aenter__(self) -> InfoServer:
+        await self.start()
+        return self
+
+    async def _tokenizer_info(self, request: web.Request) -> web.StreamResponse:
+        self.info_requests += 1
+        self.info_arrived.set()
+        step = self.info_script.pop(0) if self.info_script else None
+        if step == "hold":
+            await self.info_release.wait()
+        elif isinstance(step, int):
+            return web.json_response({"detail": "scripted"}, status=step)
+        return await super()._tokenizer_info(request)
+
+    async def close(self) -> None:
+        self.info_release.set()
+        await super().close()
+
+
+def learned_late(logs: list[MutableMapping[str, Any]]) -> int:
+    return sum(1 for e in logs if e["event"] == "chat_template_learned_late")
+
+
+async def test_template_unreachable_at_start_is_learned_later() -> None:
+    clock = FakeClock()
+    want = request_prefix_key(NO_SYSTEM_BODY)
+    # The built-ins read the fixture's injected default as a real system prompt (only Qwen
+    # 2.5's default is built in): an S key of that text, not the router's M key.
+    builtin_key = prefix_key("tiny", INJECTED_DEFAULT, None)
+    assert want is not None and want == prefix_key("tiny", None, "안녕하세요, 도와주세요")
+    assert builtin_key != want
+    req = ResolveRequest(head=1, model="tiny", tokens=no_system_tokens())
+    async with InfoServer(default_system(), tokenizer_info(DEFAULT_SYSTEM_DIR)) as server:
+        server.info_script = [503, 503]  # a proxy in front of an engine still loading
+        with capture_logs() as logs:
+            resolver = await ChainResolver.for_source(
+                source(detokenize_endpoint=server.url), on_outcome=lambda o: None,
+                clock=clock, template_retry_s=30.0, timeout_s=20.0)
+            try:
+                assert resolver.parser.source == "builtin" and resolver.template_pending
+                assert (await resolver.resolve(req)).key == builtin_key
+                clock.now += 29.9  # not due yet: no request
+                assert (await resolver.resolve(req)).key == builtin_key
+                assert server.info_requests == 1 and resolver.counters[TEMPLATE_RETRIES] == 0
+                clock.now += 0.1  # due: still 503, built-ins meanwhile
+                assert (await resolver.resolve(req)).key == builtin_key
+                assert server.info_requests == 2 and resolver.counters[TEMPLATE_RETRIES] == 1
+                clock.now += 30.0  # the engine answers now
+                out = await resolver.resolve(req)
+                assert out.status is ResolveStatus.RESOLVED and out.key == want
+                assert resolver.parser.source == "vllm-1:tokenizer_info"
+                assert not resolver.template_pending
+                clock.now += 300.0  # learned: never asked again
+                assert (await resolver.resolve(req)).key == want
+            finally:
+                await resolver.close()
+    assert server.info_requests == 3 and resolver.counters[TEMPLATE_RETRIES] == 2
+    assert learned_late(logs) == 1
+    assert [e["event"] for e in logs].count("chat_template_fetch_deferred") == 1
+    assert not any(e["event"] == "chat_template_round_trip_inexact" for e in logs)
+
+
+async def test_engine_listening_later_on_its_port() -> None:
+    """Connection refused at start (nothing listens yet), then the engine comes up there."""
+    clock = FakeClock()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/detokenize"
+    queue: asyncio.Queue[ResolveOutcome] = asyncio.Queue()
+    resolver = await ChainResolver.for_source(
+        source(detokenize_endpoint=url), on_outcome=queue.put_nowait, clock=clock,
+        timeout_s=20.0, retries=0)
+    engine = SimDetokenizeServer(default_system(), info=tokenizer_info(DEFAULT_SYSTEM_DIR),
+                                 port=port)
+    try:
+        assert resolver.template_pending
+        resolver.submit(ResolveRequest(head=1, model="tiny", tokens=no_system_tokens()))
+        assert await next_outcome(queue) == ResolveOutcome(1, ResolveStatus.FAILED,
+                                                           reason="connect_error")
+        await engine.start()
+        clock.now += DEFAULT_TEMPLATE_RETRY_S
+        resolver.submit(ResolveRequest(head=1, model="tiny", tokens=no_system_tokens()))
+        out = await next_outcome(queue)
+    finally:
+        await resolver.close()
+        await engine.close()
+    assert out.key == request_prefix_key(NO_SYSTEM_BODY)
+    assert resolver.counters[TEMPLATE_RETRIES] == 1 and not resolver.template_pending
+
+
+async def test_a_retry_in_flight_does_not_hold_other_resolutions() -> None:
+    clock = FakeClock()
+    want = request_prefix_key(NO_SYSTEM_BODY)
+    req = ResolveRequest(head=1, model="tiny", tokens=no_system_tokens())
+    async with InfoServer(default_system(), tokenizer_info(DEFAULT_SYSTEM_DIR)) as server:
+        server.info_script = [503, "hold"]
+        resolver = await ChainResolver.for_source(
+            source(detokenize_endpoint=server.url), on_outcome=lambda o: None, clock=clock,
+            timeout_s=20.0)
+        try:
+            clock.now += DEFAULT_TEMPLATE_RETRY_S
+            server.info_arrived.clear()
+            first = asyncio.create_task(resolver.resolve(req))
+            await asyncio.wait_for(server.info_arrived.wait(), 5)
+            # The retry waits for the engine; another resolution goes on with the built-ins
+            # and does not start a second request.
+            other = await resolver.resolve(ResolveRequest(head=2, model="tiny",
+                                                          tokens=req.tokens))
+            assert other.key == prefix_key("tiny", INJECTED_DEFAULT, None)
+            assert not first.done() and server.info_requests == 2
+            server.info_release.set()
+            assert (await asyncio.wait_for(first, 5)).key == want
+        finally:
+            await resolver.close()
+    assert resolver.counters[TEMPLATE_RETRIES] == 1
+
+
+async def test_a_disabled_endpoint_is_final() -> None:
+    clock = FakeClock()
+    req = ResolveRequest(head=1, model="tiny", tokens=no_system_tokens())
+    async with InfoServer(default_system(), None) as server:  # 404: flag not set
+        with capture_logs() as logs:
+            resolver = await ChainResolver.for_source(
+                source(detokenize_endpoint=server.url), on_outcome=lambda o: None,
+                clock=clock)
+            try:
+                assert resolver.parser.source == "builtin" and not resolver.template_pending
+                server.tokenizer_info = tokenizer_info(DEFAULT_SYSTEM_DIR)
+                clock.now += 10 * DEFAULT_TEMPLATE_RETRY_S
+                out = await resolver.resolve(req)
+            finally:
+                await resolver.close()
+    assert out.key == prefix_key("tiny", INJECTED_DEFAULT, None)  # the built-ins' answer
+    assert server.info_requests == 1 and resolver.counters[TEMPLATE_RETRIES] == 0
+    assert learned_late(logs) == 0
+
+
+async def test_a_final_answer_on_retry_stops_retrying() -> None:
+    clock = FakeClock()
+    req = ResolveRequest(head=1, model="tiny", tokens=no_system_tokens())
+    async with InfoServer(default_system(), None) as server:
+        server.info_script = [503]  # then 404
+        resolver = await ChainResolver.for_source(
+            source(detokenize_endpoint=server.url), on_outcome=lambda o: None, clock=clock,
+            timeout_s=20.0)
+        try:
+            assert resolver.template_pending
+            for _ in range(3):
+                clock.now += DEFAULT_TEMPLATE_RETRY_S
+                assert (await resolver.resolve(req)).key == prefix_key("tiny", INJECTED_DEFAULT,
+                                                                       None)
+            assert not resolver.template_pending
+        finally:
+            await resolver.close()
+    assert server.info_requests == 2 and resolver.counters[TEMPLATE_RETRIES] == 1
+
+
+async def test_no_retries_when_disabled_or_when_the_template_is_local() -> None:
+    clock = FakeClock()
+    async with InfoServer(default_system(), tokenizer_info(DEFAULT_SYSTEM_DIR)) as server:
+        server.info_script = [503]
+        resolver = await ChainResolver.for_source(
+            source(detokenize_endpoint=server.url), on_outcome=lambda o: None, clock=clock,
+            template_retry_s=None)
+        await resolver.close()
+        assert not resolver.template_pending and resolver.parser.source == "builtin"
+        resolver = await ChainResolver.for_source(
+            source(detokenize_endpoint=server.url, tokenizer=str(DEFAULT_SYSTEM_DIR)),
+            on_outcome=lambda o: None, clock=clock)
+        await resolver.close()
+        assert not resolver.template_pending and resolver.parser.source == "vllm-1:tokenizer"
+    assert server.info_requests == 1

@@ -14,12 +14,22 @@ most the first `max_decode_tokens` tokens of a chain are decoded. A head already
 running is not queued again (one call per distinct chain head). When
 the backlog is full a request is answered at once with `FAILED` / `backlog_full` (the tracker
 keeps the chain pending and asks again when it grows): ingestion never waits for us.
+
+Late template: a sidecar usually starts before its engine has loaded its model, so the engine's
+`GET /tokenizer_info` (SPEC §2, third template source) is often unreachable at start. The resolver
+then works with the built-in recognizers and asks again from `resolve()`, at most once every
+`template_retry_s`, until it learns the template (swapped in for later resolutions) or gets a
+final answer (disabled endpoint, not a vLLM). The resolution that starts a retry waits for it at
+most the per-call timeout (so it already uses the template when the engine answers); the others
+go on meanwhile. Known limit: chains resolved by the built-ins before that keep their key (a
+template with a default system prompt makes them `S` keys of that default) until evicted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from array import array
 from collections import Counter
 from collections.abc import Callable
@@ -36,7 +46,10 @@ from kv_listener.resolver.detokenize import (
     Detokenizer,
     HttpDetokenizer,
     LocalDetokenizer,
-    fetch_tokenizer_info,
+    TokenizerInfoAnswer,
+    TokenizerInfoStatus,
+    endpoint_label,
+    probe_tokenizer_info,
     tokenizer_info_url,
 )
 from kv_listener.resolver.template import (
@@ -64,6 +77,45 @@ BEYOND_DECODE_LIMIT = "beyond_decode_limit"
 #: 1024 content bytes many times over (a token decodes to at least one byte), and keeps a vLLM
 #: event that stores a whole 16k-token prompt at once from costing a 16k-token decode.
 DEFAULT_MAX_DECODE_TOKENS = 4096
+#: At most one `/tokenizer_info` request per this many seconds while the engine is unreachable:
+#: an engine loading a large model takes minutes; asking more often only adds log lines.
+DEFAULT_TEMPLATE_RETRY_S = 30.0
+#: `counters` key: `/tokenizer_info` requests made after the one at start.
+TEMPLATE_RETRIES = "template_retries"
+
+
+class TemplateRetry:
+    """The engine's `/tokenizer_info`, to be asked again: it was unreachable when last asked.
+
+    `clock` gives monotonic seconds (injectable for tests). With a shared `session` the
+    requests go through it; without one (or once its owner closed it) each attempt opens and
+    closes its own, so nothing stays open between attempts that are `retry_s` apart.
+    """
+
+    __slots__ = ("_clock", "_session", "last_attempt_at", "retry_s", "timeout_s", "url")
+
+    def __init__(self, url: str, *, retry_s: float = DEFAULT_TEMPLATE_RETRY_S,
+                 timeout_s: float = 5.0, session: aiohttp.ClientSession | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 last_attempt_at: float | None = None) -> None:
+        if retry_s <= 0:
+            raise ValueError("retry_s must be > 0")
+        self.url = url
+        self.retry_s = retry_s
+        self.timeout_s = timeout_s
+        self._session = session
+        self._clock = clock
+        self.last_attempt_at = clock() if last_attempt_at is None else last_attempt_at
+
+    def due(self) -> bool:
+        return self._clock() - self.last_attempt_at >= self.retry_s
+
+    async def fetch(self) -> TokenizerInfoAnswer:
+        self.last_attempt_at = self._clock()
+        if self._session is not None and not self._session.closed:
+            return await probe_tokenizer_info(self._session, self.url, self.timeout_s)
+        async with aiohttp.ClientSession() as http:
+            return await probe_tokenizer_info(http, self.url, self.timeout_s)
 
 
 class ChainResolver:
@@ -82,6 +134,7 @@ class ChainResolver:
         max_decode_tokens: int = DEFAULT_MAX_DECODE_TOKENS,
         name: str = "source",
         local_tokenizer: Any = None,
+        template_retry: TemplateRetry | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
@@ -105,8 +158,12 @@ class ChainResolver:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
+        #: Set while the engine's template is still to be learned (see the module docstring).
+        self._template_retry = template_retry
+        self._template_task: asyncio.Task[None] | None = None
         #: Resolver-level counters (labels from fixed sets): outcomes by status and reason,
-        #: `deduplicated`, `backlog_full`, `resolved_trimming_template`, `callback_errors`.
+        #: `deduplicated`, `backlog_full`, `resolved_trimming_template`, `callback_errors`,
+        #: `template_retries`.
         self.counters: Counter[str] = Counter()
 
     # --- construction from a source's config --------------------------------------------------
@@ -126,10 +183,16 @@ class ChainResolver:
         max_concurrency: int = 4,
         max_backlog: int = 10000,
         max_decode_tokens: int = DEFAULT_MAX_DECODE_TOKENS,
+        template_retry_s: float | None = DEFAULT_TEMPLATE_RETRY_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> ChainResolver:
         """Decoder and template of `source` (SPEC §2 order). Loads the local tokenizer and
         learns the template in a worker thread. Raises `ValueError` when the source has
-        neither a `detokenize_endpoint` nor a `tokenizer` (only salts can attribute it)."""
+        neither a `detokenize_endpoint` nor a `tokenizer` (only salts can attribute it).
+
+        When the engine's `/tokenizer_info` is the template's source and the engine is
+        unreachable, the built-ins are used meanwhile and the request is made again at most
+        every `template_retry_s` seconds of `clock` (None: never, the built-ins stay)."""
         tokenizer: Any = None
         if source.tokenizer is not None:
             tokenizer = await asyncio.to_thread(load_tokenizer, source.tokenizer)
@@ -146,16 +209,23 @@ class ChainResolver:
         else:
             raise ValueError(f"{source.backend_name}: no detokenize_endpoint and no tokenizer")
         info = None
+        info_status: TokenizerInfoStatus | None = None
+        template_retry = None
         if (use_tokenizer_info and source.chat_template is None and tokenizer is None
                 and source.engine is Engine.VLLM and source.detokenize_endpoint is not None):
-            own = session is None
-            http = session if session is not None else aiohttp.ClientSession()
-            try:
-                info = await fetch_tokenizer_info(
-                    http, tokenizer_info_url(source.detokenize_endpoint), timeout_s)
-            finally:
-                if own:
-                    await http.close()
+            url = tokenizer_info_url(source.detokenize_endpoint)
+            if session is not None:
+                answer = await probe_tokenizer_info(session, url, timeout_s)
+            else:
+                async with aiohttp.ClientSession() as http:
+                    answer = await probe_tokenizer_info(http, url, timeout_s)
+            info, info_status = answer.info, answer.status
+            if answer.status is TokenizerInfoStatus.UNREACHABLE and template_retry_s is not None:
+                template_retry = TemplateRetry(url, retry_s=template_retry_s,
+                                               timeout_s=timeout_s, session=session, clock=clock)
+                log.warning("chat_template_fetch_deferred", backend=source.backend_name,
+                            endpoint=endpoint_label(url), detail=answer.detail,
+                            retry_s=template_retry_s)
         try:
             parser = await asyncio.to_thread(
                 build_prompt_parser, chat_template=source.chat_template, tokenizer=tokenizer,
@@ -165,11 +235,13 @@ class ChainResolver:
                       error=type(exc).__name__, detail=str(exc))
             parser = PromptParser(None)
         log.info("resolver_ready", backend=source.backend_name, template=parser.source,
-                 decoder="http" if isinstance(detokenizer, HttpDetokenizer) else "local")
+                 decoder="http" if isinstance(detokenizer, HttpDetokenizer) else "local",
+                 tokenizer_info=info_status.value if info_status is not None else None)
         return cls(detokenizer=detokenizer, parser=parser, on_outcome=on_outcome,
                    max_prefix_length=max_prefix_length, stats=stats, local_tokenizer=tokenizer,
                    max_concurrency=max_concurrency, max_backlog=max_backlog,
-                   max_decode_tokens=max_decode_tokens, name=source.backend_name)
+                   max_decode_tokens=max_decode_tokens, name=source.backend_name,
+                   template_retry=template_retry)
 
     # --- the API the source task uses ---------------------------------------------------------
 
@@ -177,6 +249,11 @@ class ChainResolver:
     def in_flight(self) -> int:
         """Requests queued or running."""
         return len(self._heads)
+
+    @property
+    def template_pending(self) -> bool:
+        """Is the engine's template still to be learned (retries continue)?"""
+        return self._template_retry is not None
 
     def submit(self, req: ResolveRequest) -> None:
         """Queue `req` unless its head is already queued or running. Never blocks; must be
@@ -205,12 +282,15 @@ class ChainResolver:
         if self._closed:
             return
         self._closed = True
-        for task in self._workers:
+        self._template_retry = None
+        tasks = [*self._workers, *([self._template_task] if self._template_task else [])]
+        for task in tasks:
             task.cancel()
-        for task in self._workers:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._workers.clear()
+        self._template_task = None
         self._heads.clear()
         self._idle.set()
         await self.detokenizer.close()
@@ -240,6 +320,9 @@ class ChainResolver:
 
     async def resolve(self, req: ResolveRequest) -> ResolveOutcome:
         """Decode, parse and key one chain (no de-duplication, no bound: `submit` adds those)."""
+        if self._template_retry is not None and self._template_task is None \
+                and self._template_retry.due():
+            await self._retry_template(self._template_retry)
         if self.stats is not None:
             self.stats.detokenize_calls += 1
         capped = len(req.tokens) > self.max_decode_tokens
@@ -277,6 +360,48 @@ class ChainResolver:
         if self._local is not None:
             key_tokens = await asyncio.to_thread(self._deciding_tokens, req.model, tokens, key)
         return ResolveOutcome(req.head, ResolveStatus.RESOLVED, key=key, key_tokens=key_tokens)
+
+    async def _retry_template(self, retry: TemplateRetry) -> None:
+        """Ask `/tokenizer_info` again in a task of its own; wait for it at most the per-call
+        timeout (a slow template learning then finishes in the background)."""
+        self.counters[TEMPLATE_RETRIES] += 1
+        task = asyncio.create_task(self._learn_late(retry), name=f"template-{self.name}")
+        self._template_task = task
+        await asyncio.wait({task}, timeout=retry.timeout_s)
+
+    async def _learn_late(self, retry: TemplateRetry) -> None:
+        try:
+            answer = await retry.fetch()
+            if answer.status is TokenizerInfoStatus.UNREACHABLE:
+                log.debug("chat_template_retry_failed", backend=self.name,
+                          detail=answer.detail, retries=self.counters[TEMPLATE_RETRIES])
+                return
+            self._template_retry = None  # any other answer is final
+            if answer.status is TokenizerInfoStatus.ABSENT:
+                log.warning("chat_template_fetch_final", backend=self.name,
+                            endpoint=endpoint_label(retry.url), detail=answer.detail)
+                return
+            try:
+                parser = await asyncio.to_thread(build_prompt_parser,
+                                                 tokenizer_info=answer.info, name=self.name)
+            except TemplateProbeError as exc:
+                log.error("chat_template_unusable", backend=self.name,
+                          error=type(exc).__name__, detail=str(exc))
+                return
+            if parser.layout is None:  # the engine answered, with no chat template in it
+                log.warning("chat_template_fetch_final", backend=self.name,
+                            endpoint=endpoint_label(retry.url), detail="no chat_template")
+                return
+            if not self._closed:
+                self.parser = parser
+                log.info("chat_template_learned_late", backend=self.name,
+                         template=parser.source, retries=self.counters[TEMPLATE_RETRIES])
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: log it, and let the next resolution try again
+            log.error("chat_template_retry_error", backend=self.name, error=type(exc).__name__)
+        finally:
+            self._template_task = None
 
     def _deciding_tokens(self, model: str, tokens: array[int], key: bytes) -> int | None:
         """The fewest leading tokens that resolve to `key`, by bisection with the local
