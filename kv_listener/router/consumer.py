@@ -27,6 +27,7 @@ Rules (SPEC §6-§8, seed "SSE 파싱 세부사항" and "스트림 동작 및 �
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import inspect
 import json
@@ -252,6 +253,10 @@ class SourceState:
     next_delay_s: float | None = None  # the wait before the next attempt (None: connecting)
 
 
+#: How long a consumer waits for a drained pushed stream's body to end (SPEC §7: within 1 s).
+DRAIN_BODY_END_S = 1.0
+
+
 @dataclass(slots=True)
 class _Attempt:
     reason: EndReason
@@ -455,6 +460,8 @@ class _SourceRunner:
                 self.set_connected(True)
                 end = await reader.feed(chunk)
                 if end is not None:
+                    if end.reason is EndReason.DRAINING:
+                        await _await_body_end(iterator)
                     return end
         finally:
             aclose = getattr(iterator, "aclose", None)
@@ -471,6 +478,16 @@ class _SourceRunner:
         if reason not in self._drop_logged:  # once per reason per connection: floods are counted
             self._drop_logged.add(reason)
             self.log.warning("kv_event_dropped", reason=reason.value, detail=detail)
+
+
+async def _await_body_end(iterator: AsyncIterator[bytes]) -> None:
+    """After `draining` the listener ends the pushed body within 1 s (SPEC §7). Let it, so the
+    router sees a drained stream rather than our early close (which it would count as `closed`
+    and answer with `unsubscribe`). Whatever still arrives is after `draining`: ignored."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(DRAIN_BODY_END_S):
+            async for _ in iterator:
+                pass
 
 
 class _StreamReader:
