@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import structlog
@@ -18,7 +19,8 @@ from kv_listener.stats import SourceStats
 from tests.conftest import ROOT
 
 MAN = ROOT / "man" / "continuum-kv-listener.1"
-UNIT = ROOT / "systemd" / "continuum-kv-listener.service"
+UNITS = [ROOT / "systemd" / "continuum-kv-listener.service",
+         ROOT / "systemd" / "continuum-kv-listener-router.service"]
 
 
 @pytest.mark.skipif(shutil.which("man") is None, reason="man-db is installed by .ci/install")
@@ -45,8 +47,9 @@ def test_man_page_documents_every_config_key() -> None:
         assert key in text, key
 
 
-def test_systemd_unit_is_hardened() -> None:
-    text = UNIT.read_text()
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_systemd_unit_is_hardened(unit: Path) -> None:
+    text = unit.read_text()
     for directive in ["DynamicUser=yes", "ProtectSystem=strict", "NoNewPrivileges=yes",
                       "PrivateTmp=yes", "ProtectHome=yes", "RestrictAddressFamilies=",
                       "ExecReload=/bin/kill -HUP $MAINPID", "Restart=on-failure"]:
@@ -54,8 +57,9 @@ def test_systemd_unit_is_hardened() -> None:
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
-def test_systemd_analyze_accepts_unit_apart_from_binary_path() -> None:
-    proc = subprocess.run(["systemd-analyze", "verify", str(UNIT)], capture_output=True, text=True,
+@pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
+def test_systemd_analyze_accepts_unit_apart_from_binary_path(unit: Path) -> None:
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
                           check=False, timeout=60)
     complaints = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     other = [c for c in complaints if "/usr/local/bin/continuum-kv-listener" not in c]
