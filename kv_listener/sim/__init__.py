@@ -1,40 +1,8 @@
-"""Simulated engines: wire payloads exactly as vLLM, SGLang and TRT-LLM releases write them.
+"""Engine stand-ins for tests, benches and the demo; none of it is used by the daemon itself.
 
-`encode` turns model events into engine bytes (tests, benches, the demo's fake engines).
+- `encode`: model events -> wire payloads exactly as vLLM, SGLang and TRT-LLM releases write them;
+- `publisher`: a ZMQ publisher with replay that behaves like vLLM's;
+- `trtllm_server`: `trtllm-serve`'s drain-on-read `/kv_cache_events`;
+- `engine`, `workload`, `detokenize_server`: the demo's block pool, chat workload and
+  `/detokenize` endpoint.
 """
-
-from kv_listener.sim.encode import (
-    SGLANG_VERSIONS,
-    VLLM_VERSIONS,
-    Layout,
-    Wire,
-    assemble_batch,
-    decoded_to_jsonable,
-    encode_sglang_batch,
-    encode_sglang_event,
-    encode_trtllm_events,
-    encode_vllm_batch,
-    encode_vllm_event,
-    event_to_jsonable,
-    sglang_layout,
-    trtllm_to_jsonable,
-    vllm_layout,
-)
-
-__all__ = [
-    "SGLANG_VERSIONS",
-    "VLLM_VERSIONS",
-    "Layout",
-    "Wire",
-    "assemble_batch",
-    "decoded_to_jsonable",
-    "encode_sglang_batch",
-    "encode_sglang_event",
-    "encode_trtllm_events",
-    "encode_vllm_batch",
-    "encode_vllm_event",
-    "event_to_jsonable",
-    "sglang_layout",
-    "trtllm_to_jsonable",
-    "vllm_layout",
-]
