@@ -19,11 +19,11 @@ from hashlib import sha256
 
 SALT_PREFIX = "crs1:"
 _MAC_DOMAIN = b"crs1"
-_KEY_BYTES = 32
+KEY_BYTES = 32
 _MAC_BYTES = 16
 _HEX = frozenset("0123456789abcdef")
 #: "crs1:" + 64 hex + ":" + 32 hex
-SALT_LENGTH = len(SALT_PREFIX) + 2 * _KEY_BYTES + 1 + 2 * _MAC_BYTES
+SALT_LENGTH = len(SALT_PREFIX) + 2 * KEY_BYTES + 1 + 2 * _MAC_BYTES
 
 
 def _mac(secret: bytes, backend: str, key: bytes) -> bytes:
@@ -33,8 +33,8 @@ def _mac(secret: bytes, backend: str, key: bytes) -> bytes:
 
 def issue_cache_salt(secret: bytes, backend: str, key: bytes) -> str:
     """The `cache_salt` a router sends to `backend` for a request whose prefix key is `key`."""
-    if len(key) != _KEY_BYTES:
-        raise ValueError(f"key must be {_KEY_BYTES} bytes, got {len(key)}")
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
     return f"{SALT_PREFIX}{key.hex()}:{_mac(secret, backend, key).hex()}"
 
 
@@ -53,9 +53,9 @@ def verify_cache_salt(secret: bytes, backend: str, salt: str) -> bytes | None:
         return None
     if not salt.startswith(SALT_PREFIX):
         return None
-    key_hex = salt[len(SALT_PREFIX) : len(SALT_PREFIX) + 2 * _KEY_BYTES]
-    sep = salt[len(SALT_PREFIX) + 2 * _KEY_BYTES]
-    mac_hex = salt[len(SALT_PREFIX) + 2 * _KEY_BYTES + 1 :]
+    key_hex = salt[len(SALT_PREFIX) : len(SALT_PREFIX) + 2 * KEY_BYTES]
+    sep = salt[len(SALT_PREFIX) + 2 * KEY_BYTES]
+    mac_hex = salt[len(SALT_PREFIX) + 2 * KEY_BYTES + 1 :]
     if sep != ":" or not _is_lower_hex(key_hex) or not _is_lower_hex(mac_hex):
         return None
     key = bytes.fromhex(key_hex)

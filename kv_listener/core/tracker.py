@@ -105,9 +105,7 @@ from kv_listener.core.model import (
     Tier,
     TransitionKind,
 )
-
-SALT_PREFIX: Final = "crs1:"
-KEY_BYTES: Final = 32
+from kv_listener.core.salt import KEY_BYTES, SALT_PREFIX
 
 # Media of a record: bit 0 = GPU, bits 1..5 = storage media in the order first seen, bit 6 = any
 # further medium, bit 7 = TAINT (descendants unattributed). Staying below 256 keeps the value a
