@@ -28,13 +28,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import structlog
-from prometheus_client import CollectorRegistry
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -42,7 +40,7 @@ from kv_listener.core.bus_protocol import token_hash
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import SseParser
 from kv_listener.outputs.bus_client import BusClient
-from kv_listener.outputs.sse_server import create_app, serve
+from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.bus_server import Broker, EventBusServer, TlsFiles
 from tests.support.bus import listener_config, write_token
@@ -53,15 +51,6 @@ EPOCH = "be9c4001"
 TOKEN = b"bench-token-0123456789"
 
 
-class _Status:
-    def not_ready(self) -> Sequence[str]:
-        return []
-
-    def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
-        return {}
-
-    def metrics_registry(self) -> CollectorRegistry:
-        return CollectorRegistry()
 
 
 def make_hub(n: int) -> StreamHub:
@@ -155,7 +144,7 @@ async def main_async(args: argparse.Namespace) -> None:
 
             # pull
             hub = make_hub(n)
-            http = await serve(create_app(hub, _Status()), "127.0.0.1", 0)
+            http = await serve(create_app(hub, NoSources()), "127.0.0.1", 0)
             async with aiohttp.ClientSession() as session:
                 async def open_pull(session: aiohttp.ClientSession = session, port: int = http.port
                                     ) -> AsyncIterator[bytes]:

@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import ssl
-import sys
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import aiohttp
@@ -29,7 +26,6 @@ import h2.connection
 import h2.events
 import h2.settings
 import pytest
-from prometheus_client import CollectorRegistry
 
 from kv_listener.config import EventBusConfig
 from kv_listener.core import bus_protocol as bp
@@ -37,10 +33,9 @@ from kv_listener.core.bus_protocol import Subscribe, Unsubscribe, Welcome
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import SseEvent, SseParser
 from kv_listener.outputs.bus_client import Backoff, BusClient, BusFailure, PushEnd
-from kv_listener.outputs.sse_server import create_app, serve
+from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.bus_server import NoSession, StreamEndReason
-from tests.conftest import FIXTURES
 from tests.support.bus import (
     TOKEN_A,
     brokers,
@@ -48,19 +43,9 @@ from tests.support.bus import (
     running_server,
     write_token,
 )
+from tests.support.golden import golden
 from tests.support.tls import TlsMaterial
 
-
-def _load_golden_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_push_golden", FIXTURES / "make_push_golden.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_push_golden", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-golden = _load_golden_script()
 A = "a" * 64
 B = "b" * 64
 
@@ -113,17 +98,6 @@ class RecordingOpen:
             await self.changed.wait()
 
 
-class _Status:
-    """What the SSE app asks the daemon (nothing is tracked in these tests)."""
-
-    def not_ready(self) -> Sequence[str]:
-        return []
-
-    def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
-        return {}
-
-    def metrics_registry(self) -> CollectorRegistry:
-        return CollectorRegistry()
 
 
 def created(prefix: str, tokens: int) -> list[PrefixTransition]:
@@ -144,7 +118,7 @@ async def test_pushed_bytes_are_the_golden_file_and_what_sse_serves(
     async with running_server(tls) as server:
         client = BusClient(listener_config(server.port, tls, token_file),
                            lambda: [golden.BACKEND], hub.open)
-        http = await serve(create_app(hub, _Status()), "127.0.0.1", 0)
+        http = await serve(create_app(hub, NoSources()), "127.0.0.1", 0)
         try:
             async with running_client(client) as run_task, aiohttp.ClientSession() as session:
                 await server.wait_announced(golden.BACKEND)

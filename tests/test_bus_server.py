@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import ssl
-import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from types import ModuleType
 
 import aiohttp
 import pytest
@@ -33,7 +30,6 @@ from kv_listener.router.bus_server import (
 )
 from kv_listener.router.config import parse_router_config
 from kv_listener.router.consumer import NoSessionError
-from tests.conftest import FIXTURES
 from tests.support.bus import (
     TOKEN_A,
     TOKEN_B,
@@ -48,21 +44,10 @@ from tests.support.bus import (
     read_line,
     running_server,
 )
+from tests.support.golden import golden
 from tests.support.tls import TlsMaterial
 
 F = SecurityFailure
-
-
-def _load_golden_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_push_golden", FIXTURES / "make_push_golden.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_push_golden", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-golden = _load_golden_script()
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import socket
 import ssl
-import sys
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import aiohttp
@@ -31,7 +28,7 @@ from kv_listener.core.eventlog import Record, RecordEvent, parse_event_id
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import ControlEvent, encode_control, encode_record
 from kv_listener.outputs.bus_client import BusClient
-from kv_listener.outputs.sse_server import create_app, serve
+from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.admin import SourceStatus
 from kv_listener.router.bus_server import NoSession
@@ -45,8 +42,8 @@ from kv_listener.router.consumer import (
 )
 from kv_listener.router.index import Holder, InMemoryKvIndex
 from kv_listener.router.metrics import RouterMetrics
-from tests.conftest import FIXTURES
 from tests.support.bus import TOKEN_A, listener_config, running_server, write_token
+from tests.support.golden import golden
 from tests.support.tls import TlsMaterial
 
 B = "vllm-1"
@@ -719,20 +716,6 @@ def test_duplicate_sources_are_refused() -> None:
 # --- the listener's own SSE server ---------------------------------------------------------------
 
 
-class NoSources:
-    """ListenerStatus of a listener whose sources are not under test here."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-
-    def not_ready(self) -> Sequence[str]:
-        return []
-
-    def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
-        return {}
-
-    def metrics_registry(self) -> CollectorRegistry:
-        return self.registry
 
 
 def transition(i: int, n: int = 16) -> PrefixTransition:
@@ -804,18 +787,6 @@ async def test_against_the_listener_sse_server_into_a_real_index() -> None:
 
 
 # --- push mode: the golden stream, and the whole way over the real event bus --------------------
-
-
-def _load_golden_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("make_push_golden", FIXTURES / "make_push_golden.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_push_golden", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-golden = _load_golden_script()
 
 
 def expected_golden_records() -> list[dict[str, Any]]:

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from kv_listener.core.eventlog import RecordEvent
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.outputs.bus_client import BusClient
-from kv_listener.outputs.sse_server import create_app, serve
+from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.bus_server import EventBusServer
 from kv_listener.router.config import EventSourceConfig, Transport
@@ -49,15 +47,6 @@ class Recorder:
             await self._changed.wait()
 
 
-class _Status:
-    def not_ready(self) -> Sequence[str]:
-        return []
-
-    def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
-        return {}
-
-    def metrics_registry(self) -> CollectorRegistry:
-        return CollectorRegistry()
 
 
 def new_hub(epoch: str) -> StreamHub:
@@ -101,7 +90,7 @@ async def test_push_and_pull_apply_the_same_records_and_push_survives_a_listener
     hub = new_hub("aaaa0001")
     pushed, pulled = Recorder(), Recorder()
     async with running_server(tls) as bus:
-        http = await serve(create_app(hub, _Status()), "127.0.0.1", 0)
+        http = await serve(create_app(hub, NoSources()), "127.0.0.1", 0)
         push_mgr = KvEventConsumerManager(
             [EventSourceConfig(BACKEND, Transport.EVENT_BUS, None, reconnect_interval_ms=20)],
             pushed, open_announced_stream=bus.open_announced_stream)

@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from kv_listener.core import bus_protocol as bp
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.outputs.bus_client import BusClient
-from kv_listener.outputs.sse_server import create_app, serve
+from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.app import Router, cleanup_interval_s
 from kv_listener.router.config import load_router_config
@@ -37,15 +37,6 @@ CMD = [sys.executable, "-m", "kv_listener"]
 P = [f"{i:064x}" for i in range(1, 6)]
 
 
-class _Status:
-    def not_ready(self) -> Sequence[str]:
-        return []
-
-    def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
-        return {}
-
-    def metrics_registry(self) -> CollectorRegistry:
-        return CollectorRegistry()
 
 
 def new_hub(*backends: str) -> StreamHub:
@@ -122,7 +113,7 @@ async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
 async def test_router_process_indexes_a_listener_stream_reloads_and_stops_with_0(
         tmp_path: Path) -> None:
     hub = new_hub("vllm-1", "vllm-2")
-    sse = await serve(create_app(hub, _Status()), "127.0.0.1", 0)
+    sse = await serve(create_app(hub, NoSources()), "127.0.0.1", 0)
     admin_port = free_port()
     admin = f"http://127.0.0.1:{admin_port}/admin/kv-index"
     config = router_file(tmp_path / "router.yaml", sse.port, admin_port, ["vllm-1"])

@@ -20,7 +20,6 @@ from kv_listener.core.model import (
     CacheCreated,
     ClearReason,
     Engine,
-    EventBatch,
     SourceCleared,
     SourceItem,
 )
@@ -33,6 +32,7 @@ from kv_listener.sources.trtllm import (
     backoff_delay,
 )
 from kv_listener.stats import SourceStats
+from tests.support.queues import get, get_batch
 
 TIMEOUT = 5.0
 INTERVAL = 0.02
@@ -70,17 +70,6 @@ async def polling(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             assert not source.stats.ready
-
-
-async def get(queue: asyncio.Queue[SourceItem]) -> SourceItem:
-    async with asyncio.timeout(TIMEOUT):
-        return await queue.get()
-
-
-async def get_batch(queue: asyncio.Queue[SourceItem]) -> EventBatch:
-    item = await get(queue)
-    assert isinstance(item, EventBatch), item
-    return item
 
 
 async def test_polls_deliver_batches_and_duplicates_are_skipped() -> None:

@@ -26,6 +26,7 @@ from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
 from kv_listener.sources.zmq import ZmqSource
 from kv_listener.stats import SourceStats
+from tests.support.queues import get, get_batch
 
 TIMEOUT = 5.0
 
@@ -96,17 +97,6 @@ async def running(source: ZmqSource) -> AsyncIterator[asyncio.Task[None]]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert not source.stats.ready
-
-
-async def get(queue: asyncio.Queue[SourceItem]) -> SourceItem:
-    async with asyncio.timeout(TIMEOUT):
-        return await queue.get()
-
-
-async def get_batch(queue: asyncio.Queue[SourceItem]) -> EventBatch:
-    item = await get(queue)
-    assert isinstance(item, EventBatch), item
-    return item
 
 
 def hashes(batch: EventBatch) -> list[int]:

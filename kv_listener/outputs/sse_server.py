@@ -36,7 +36,7 @@ from kv_listener.outputs.streams import (
 )
 from kv_listener.stats import SourceStats
 
-__all__ = ["ListenerStatus", "RunningServer", "create_app", "serve", "source_stats_entry"]
+__all__ = ["ListenerStatus", "NoSources", "RunningServer", "create_app", "serve", "source_stats_entry"]
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +55,23 @@ class ListenerStatus(Protocol):
     def metrics_registry(self) -> CollectorRegistry:
         """The registry `/metrics` renders."""
         ...
+
+
+class NoSources:
+    """`ListenerStatus` of an app that serves a hub's streams with no sources behind it (tests,
+    benches, a hub fed by something else): always ready, no source stats, an empty registry."""
+
+    def __init__(self) -> None:
+        self._registry = CollectorRegistry()
+
+    def not_ready(self) -> Sequence[str]:
+        return []
+
+    def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
+        return {}
+
+    def metrics_registry(self) -> CollectorRegistry:
+        return self._registry
 
 
 def source_stats_entry(
