@@ -34,7 +34,6 @@ from kv_listener.sources.trtllm import (
 from kv_listener.stats import SourceStats
 from tests.support.queues import get, get_batch
 
-TIMEOUT = 5.0
 INTERVAL = 0.02
 
 
