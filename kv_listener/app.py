@@ -39,7 +39,7 @@ from kv_listener.core.model import (
 )
 from kv_listener.core.salt import verify_cache_salt
 from kv_listener.core.tracker import Tracker, TrackerNotice
-from kv_listener.logging import configure_logging, get_logger
+from kv_listener.logging import apply_config_logging, get_logger
 from kv_listener.metrics import BusView, ListenerCollector, SourceView, new_registry
 from kv_listener.outputs.bus_client import BusClient
 from kv_listener.outputs.sse_server import RunningServer, create_app, serve, source_stats_entry
@@ -320,9 +320,7 @@ class Listener:
             log.error("config_reload_failed", path=str(self.config_path), errors=exc.errors)
             return False
         old = self.config
-        configure_logging(new.log.level, new.log.format)
-        for w in new.warnings:
-            log.warning("config_warning", detail=w)
+        apply_config_logging(new.log.level, new.log.format, new.warnings)
         for key in ("listen_host", "listen_port", "history_size", "max_lag",
                     "update_interval_s", "max_sse_clients"):
             if getattr(old, key) != getattr(new, key):
@@ -421,8 +419,6 @@ class Listener:
 
 def run_listener(config_path: str | Path) -> int:
     config = load_config(config_path)
-    configure_logging(config.log.level, config.log.format)
-    for w in config.warnings:
-        log.warning("config_warning", detail=w)
+    apply_config_logging(config.log.level, config.log.format, config.warnings)
     asyncio.run(Listener(config, config_path).run())
     return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from typing import TextIO
 
 import structlog
@@ -48,6 +49,15 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
     root.setLevel(_LEVELS[level] if level == "debug" else logging.WARNING)
+
+
+def apply_config_logging(level: str, fmt: str, warnings: Sequence[str]) -> None:
+    """At start and on every reload: (re)configure logging from the file, then log the file's
+    warnings (with the new format, so they land where the operator now looks)."""
+    configure_logging(level, fmt)
+    log = structlog.get_logger("kv_listener.config")
+    for w in warnings:
+        log.warning("config_warning", detail=w)
 
 
 def get_logger(name: str, **context: object) -> structlog.typing.FilteringBoundLogger:

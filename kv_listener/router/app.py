@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry
 
 from kv_listener.config import ConfigError
 from kv_listener.httpserver import RunningServer, serve
-from kv_listener.logging import configure_logging, get_logger
+from kv_listener.logging import apply_config_logging, get_logger
 from kv_listener.router.admin import create_admin_app
 from kv_listener.router.bus_server import EventBusServer
 from kv_listener.router.config import RouterConfig, load_router_config
@@ -204,9 +204,7 @@ class Router:
             log.error("config_reload_failed", path=str(self.config_path), errors=exc.errors)
             return False
         old = self.config
-        configure_logging(new.log.level, new.log.format)
-        for w in new.warnings:
-            log.warning("config_warning", detail=w)
+        apply_config_logging(new.log.level, new.log.format, new.warnings)
         for section, attr, path in _RESTART_ONLY:
             before, after = getattr(old, section), getattr(new, section)
             if attr is not None:
@@ -279,8 +277,6 @@ def run_router(config_path: str | Path) -> int:
     """`continuum-kv-listener router --config PATH`. Raises ConfigError (the CLI prints each
     error on its own line and exits 2); returns 0 after a clean stop."""
     config = load_router_config(config_path)
-    configure_logging(config.log.level, config.log.format)
-    for w in config.warnings:
-        log.warning("config_warning", detail=w)
+    apply_config_logging(config.log.level, config.log.format, config.warnings)
     asyncio.run(Router(config, config_path).run())
     return 0
