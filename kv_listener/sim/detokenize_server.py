@@ -68,8 +68,8 @@ class DetokenizeServer:
         self.served_model = served_model
         self.host = host
         self.port = port
-        self.requests = 0  # /detokenize requests answered 200
-        self.errors = 0  # /detokenize requests refused
+        self.answered = 0  # /detokenize requests answered 200
+        self.refused = 0  # /detokenize requests refused
         self._vocab = len(tokenizer)
         self._runner: web.AppRunner | None = None
 
@@ -81,24 +81,24 @@ class DetokenizeServer:
         try:
             body = await request.json()
         except (ValueError, UnicodeDecodeError):
-            self.errors += 1
+            self.refused += 1
             return _error(400, "request body is not JSON", "BadRequestError")
         tokens = body.get("tokens") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            self.errors += 1
+            self.refused += 1
             return _error(400, "tokens must be a list of integers", "BadRequestError")
         model = body.get("model")
         if model is not None and self.served_model is not None and model != self.served_model:
-            self.errors += 1
+            self.refused += 1
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
         if any(t < 0 or t >= self._vocab for t in tokens):
-            self.errors += 1
+            self.refused += 1
             return _error(400, "token id out of vocabulary", "BadRequestError")
         # Decoding a few thousand IDs takes a millisecond; off the loop all the same, since the
         # demo's engines and router share it.
         text = await asyncio.to_thread(self.tokenizer.decode, tokens, skip_special_tokens=False)
-        self.requests += 1
+        self.answered += 1
         return web.json_response({"prompt": text})
 
     async def _tokenizer_info(self, _: web.Request) -> web.StreamResponse:

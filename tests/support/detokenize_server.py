@@ -18,23 +18,29 @@ from typing import Any
 
 from aiohttp import web
 
+from kv_listener.sim.detokenize_server import DetokenizeServer as SimDetokenizeServer
 
-class DetokenizeServer:
+
+class DetokenizeServer(SimDetokenizeServer):
+    """The package's engine stand-in (`kv_listener.sim.detokenize_server`) with SGLang's shape
+    and scripted failures added; it reuses the stand-in's server lifecycle and /tokenizer_info."""
+
     def __init__(self, tokenizer: Any, engine: str = "vllm",
                  tokenizer_info: dict[str, Any] | None = None) -> None:
-        self.tokenizer = tokenizer
+        super().__init__(tokenizer, info=tokenizer_info)
         self.engine = engine
-        self.tokenizer_info = tokenizer_info
-        self.requests: list[dict[str, Any]] = []
+        self.requests: list[dict[str, Any]] = []  # type: ignore[assignment]
         self.script: list[int | str] = []
         self.release = asyncio.Event()
         self.arrived = asyncio.Event()  # set when a request arrives
-        self._runner: web.AppRunner | None = None
-        self.port = 0
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/detokenize"
+    def tokenizer_info(self) -> dict[str, Any] | None:
+        return self.info
+
+    @tokenizer_info.setter
+    def tokenizer_info(self, value: dict[str, Any] | None) -> None:
+        self.info = value
 
     async def _detokenize(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -65,30 +71,6 @@ class DetokenizeServer:
         return web.json_response({"prompt": self.tokenizer.decode(tokens,
                                                                    skip_special_tokens=False)})
 
-    async def _tokenizer_info(self, request: web.Request) -> web.StreamResponse:
-        if self.tokenizer_info is None:
-            return web.json_response({"detail": "Not Found"}, status=404)
-        return web.json_response(self.tokenizer_info)
-
-    async def start(self) -> DetokenizeServer:
-        app = web.Application()
-        app.router.add_post("/detokenize", self._detokenize)
-        app.router.add_get("/tokenizer_info", self._tokenizer_info)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = int(self._runner.addresses[0][1])
-        return self
-
     async def close(self) -> None:
-        self.release.set()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    async def __aenter__(self) -> DetokenizeServer:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        self.release.set()  # a held request must not outlive the server
+        await super().close()
