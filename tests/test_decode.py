@@ -510,7 +510,7 @@ def test_drop_reason_values_are_metric_labels() -> None:
     assert len(values) == len(set(values))
     assert all(v.replace("_", "").isalpha() and v.islower() for v in values)
     # the frame-level and TRT-LLM source reasons the sources count exist
-    for name in ("BAD_FRAME_COUNT", "BAD_SEQ", "STALE_SEQ", "DUPLICATE_EVENT_ID", "INVALID_JSON"):
+    for name in ("BAD_FRAME_COUNT", "BAD_SEQ", "DUPLICATE_EVENT_ID", "INVALID_JSON"):
         assert name in DropReason.__members__
 
 

@@ -46,14 +46,20 @@ def test_first_batch_is_applied_as_is_then_in_order() -> None:
     assert t.expected == 9
 
 
-def test_duplicate_is_skipped_and_does_not_move_the_state() -> None:
+def test_a_seq_that_does_not_continue_the_stream_is_never_a_duplicate() -> None:
+    # PUB/SUB neither duplicates nor reorders: `expected - 1` again is a restarted publisher
+    # that has sent as many batches as before minus one, e.g. a real vLLM that sent exactly one
+    # batch (seq 0), restarted and sent seq 0 again (issue #10).
     t = SequenceTracker()
     t.observe(0)
+    d = t.observe(0)
+    assert (d.action, d.expected, d.got) == (SeqAction.RESTART, 1, 0)
+    assert t.expected == 1
     t.observe(1)
-    d = t.observe(1)
-    assert d.action is SeqAction.DUPLICATE
-    assert t.expected == 2
-    assert t.observe(2).action is SeqAction.APPLY
+    t.observe(2)
+    d = t.observe(2)
+    assert (d.action, d.expected, d.got) == (SeqAction.RESTART, 3, 2)
+    assert t.observe(3).action is SeqAction.APPLY
 
 
 def test_sequence_going_backwards_is_a_restart_and_restarts_tracking() -> None:

@@ -314,7 +314,6 @@ async def test_malformed_messages_are_counted_and_skipped() -> None:
             pub.send_raw([b"", (1).to_bytes(8, "big")])  # 2 frames
             pub.send_raw([b"", (1).to_bytes(8, "big"), b"x", b"y"])  # 4 frames
             pub.send_raw([b"", b"\x00\x01", payload(7)])  # 2-byte seq
-            pub.send_raw([b"", (0).to_bytes(8, "big"), payload(8)])  # duplicate of seq 0
             pub.publish(b"\xc1")  # seq 1: not msgpack
             pub.publish(b"\x91\x01")  # seq 2: msgpack, not a batch
             pub.publish(payload(2))  # seq 3: still in sequence
@@ -322,12 +321,32 @@ async def test_malformed_messages_are_counted_and_skipped() -> None:
     assert (first.seq, hashes(first)) == (0, [1])
     assert (got.seq, hashes(got)) == (3, [2])
     assert stats.events_dropped == {
-        "bad_frame_count": 2, "bad_seq": 1, "stale_seq": 1, "invalid_msgpack": 1,
+        "bad_frame_count": 2, "bad_seq": 1, "invalid_msgpack": 1,
         "malformed_batch": 1,
     }
     assert stats.gaps == 0 and not stats.clears
-    assert stats.batches_received == 5  # seq 0, its duplicate, seq 1, 2, 3
+    assert stats.batches_received == 4  # seq 0, 1, 2, 3
     assert queue.empty()
+
+
+async def test_a_publisher_restarted_after_one_batch_clears_and_applies_its_batch() -> None:
+    # A real vLLM that sent exactly one batch (seq 0), restarted and sent seq 0 again: the second
+    # batch is the new engine's, not a duplicate (issue #10; PUB/SUB never duplicates).
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            pub.publish(payload(1))  # seq 0
+            pub.send_raw([b"", (0).to_bytes(8, "big"), payload(8)])  # the new engine's seq 0
+            first = await get_batch(queue)
+            cleared = await get(queue)
+            second = await get_batch(queue)
+    assert (first.seq, hashes(first)) == (0, [1])
+    assert cleared == SourceCleared(ClearReason.ENGINE_RESTART)
+    assert (second.seq, hashes(second)) == (0, [8])
+    assert not stats.events_dropped
 
 
 # --- allowed publishers (ZAP) --------------------------------------------------------------

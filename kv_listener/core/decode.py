@@ -76,7 +76,6 @@ class DropReason(enum.StrEnum):
     # --- frame level, used by the ZMQ source (`core.sequence` parses frames) ---
     BAD_FRAME_COUNT = "bad_frame_count"  # a ZMQ message that is not [topic, seq, payload]
     BAD_SEQ = "bad_seq"  # sequence frame that is not 8 bytes
-    STALE_SEQ = "stale_seq"  # batch already applied (replay overlap, duplicate delivery)
     # --- TRT-LLM source ---
     DUPLICATE_EVENT_ID = "duplicate_event_id"  # event_id already applied
 

@@ -16,10 +16,11 @@ Wire facts this relies on (vLLM 0.9.0 .. 0.33.0 `ZmqEventPublisher`, SGLang's co
 Rules:
 
 - The first batch after start (or after `reset`) is applied as it is: there is no history.
-- `seq == expected` applies; `seq == expected - 1` is a duplicate (skipped, counted by the edge
-  as `stale_seq`);
-  any older `seq` means the sequence went backwards, i.e. the engine restarted: the edge clears
-  the source and the batch is applied after the clear.
+- `seq == expected` applies. Any older `seq` (even `expected - 1`) means the sequence went
+  backwards, i.e. the engine restarted: the edge clears the source and the batch is applied
+  after the clear. PUB/SUB never duplicates a message, so there is no "duplicate" case: a real
+  vLLM that sent exactly one batch (seq 0), restarted and sent seq 0 again showed that treating
+  `expected - 1` as a duplicate loses the new engine's first batch and keeps the old state.
 - `seq > expected` is a gap. The edge fetches `expected .. seq-1` by replay when it can and hands
   the answer to `SequenceTracker.fill_gap`, which returns the batches to apply in order (the
   replayed ones, then the batch that revealed the gap), or says "clear first" when the replay
@@ -119,7 +120,6 @@ def parse_replay_frames(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
 
 class SeqAction(enum.StrEnum):
     APPLY = "apply"  # in order (or the first batch): apply it
-    DUPLICATE = "duplicate"  # already applied: skip it
     GAP = "gap"  # batches are missing before it: fill (replay) or clear, then apply it
     RESTART = "restart"  # the sequence went backwards: clear, then apply it
 
@@ -215,15 +215,13 @@ class SequenceTracker:
     def observe(self, seq: int) -> SeqDecision:
         """Classify one live batch. APPLY and RESTART advance the state (the batch is to be
         applied, after a clear for RESTART); GAP does not: call `fill_gap` with the replay
-        answer (or `ReplayStatus.UNAVAILABLE`); DUPLICATE leaves it alone."""
+        answer (or `ReplayStatus.UNAVAILABLE`)."""
         expected = self._expected
         if expected is None or seq == expected:
             self._expected = seq + 1
             return SeqDecision(SeqAction.APPLY, seq, expected)
         if seq > expected:
             return SeqDecision(SeqAction.GAP, seq, expected)
-        if seq == expected - 1:
-            return SeqDecision(SeqAction.DUPLICATE, seq, expected)
         self._expected = seq + 1
         return SeqDecision(SeqAction.RESTART, seq, expected)
 

@@ -39,7 +39,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from kv_listener.config import SourceConfig
-from kv_listener.core.decode import DecodeError, DropReason, decode_zmq_payload
+from kv_listener.core.decode import DecodeError, decode_zmq_payload
 from kv_listener.core.model import ClearReason, Engine, SourceCleared, SourceItem
 from kv_listener.core.sequence import (
     FrameError,
@@ -261,8 +261,6 @@ class ZmqSource:
         decision = self._seq.observe(seq)
         if decision.action is SeqAction.APPLY:
             self._apply(seq, payload)
-        elif decision.action is SeqAction.DUPLICATE:
-            self._drop(DropReason.STALE_SEQ.value)
         elif decision.action is SeqAction.RESTART:
             self._log.warning("zmq_engine_restart", expected=decision.expected, got=seq)
             self._feeder.put(SourceCleared(ClearReason.ENGINE_RESTART))
