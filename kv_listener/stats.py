@@ -28,6 +28,7 @@ class SourceStats:
     ready: bool = False  # socket bound/connected, or last poll ok
     last_ok_at: float | None = None  # trtllm: monotonic time of the last successful poll
     detokenize_calls: int = 0
+    tokenize_calls: int = 0  # engine /tokenize calls (deciding points, HTTP-only resolution)
     detokenize_errors: Counter[str] = field(default_factory=Counter)
     salt_rejected: int = 0
     source_restarts: int = 0

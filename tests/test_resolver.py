@@ -123,11 +123,24 @@ async def test_resolves_system_and_first_message_rules_over_http() -> None:
             got = {o.head: o for o in [await next_outcome(queue), await next_outcome(queue)]}
         finally:
             await resolver.close()
+    # The deciding point comes from the engine's /tokenize; it is the one a local copy of the
+    # tokenizer finds by bisection.
+    local = ChainResolver(detokenizer=LocalDetokenizer(chatml()), parser=chatml_parser(),
+                          on_outcome=lambda _: None, local_tokenizer=chatml())
+    try:
+        want11 = await local.resolve(ResolveRequest(11, "tiny", SYSTEM_CHAT))
+        want12 = await local.resolve(ResolveRequest(12, "tiny", USER_CHAT))
+    finally:
+        await local.close()
+    assert want11.key_tokens is not None and want12.key_tokens is not None
     assert got[11] == ResolveOutcome(11, ResolveStatus.RESOLVED,
-                                     key=prefix_key("tiny", "Be kind.", None))
+                                     key=prefix_key("tiny", "Be kind.", None),
+                                     key_tokens=want11.key_tokens)
     assert got[12] == ResolveOutcome(12, ResolveStatus.RESOLVED,
-                                     key=prefix_key("tiny", None, "안녕하세요"))
+                                     key=prefix_key("tiny", None, "안녕하세요"),
+                                     key_tokens=want12.key_tokens)
     assert stats.detokenize_calls == 2 and not stats.detokenize_errors
+    assert stats.tokenize_calls == 2
     assert resolver.counters["resolved:S"] == 1 and resolver.counters["resolved:M"] == 1
 
 
@@ -677,3 +690,33 @@ async def test_no_retries_when_disabled_or_when_the_template_is_local() -> None:
         await resolver.close()
         assert not resolver.template_pending and resolver.parser.source == "vllm-1:tokenizer"
     assert server.info_requests == 1
+
+
+class NoTokenizeServer(DetokenizeServer):
+    """An engine without `/tokenize` (SGLang < 0.5.4, or a proxy that only forwards
+    `/detokenize`): 404, as aiohttp answers for an unknown route."""
+
+    tokenize_requests = 0
+
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        self.tokenize_requests += 1
+        return web.json_response({"detail": "Not Found"}, status=404)
+
+
+async def test_an_engine_without_tokenize_is_asked_once_and_keys_still_resolve() -> None:
+    stats = SourceStats(engine="vllm")
+    async with NoTokenizeServer(chatml()) as server:
+        resolver = ChainResolver(detokenizer=HttpDetokenizer(server.url, Engine.VLLM),
+                                 parser=chatml_parser(), on_outcome=lambda _: None, stats=stats)
+        try:
+            with capture_logs() as logs:
+                first = await resolver.resolve(ResolveRequest(1, "m", SYSTEM_CHAT))
+                second = await resolver.resolve(ResolveRequest(2, "m", SYSTEM_CHAT))
+        finally:
+            await resolver.close()
+    for out in (first, second):
+        assert out.status is ResolveStatus.RESOLVED and out.key_tokens is None
+        assert out.key == prefix_key("m", "Be kind.", None)
+    assert server.tokenize_requests == 1
+    assert [e["event"] for e in logs if e["event"] == "tokenize_unavailable"] == \
+        ["tokenize_unavailable"]

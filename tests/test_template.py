@@ -432,3 +432,43 @@ def test_system_followed_by_assistant_turn(name: str) -> None:
     text = render(name, [{"role": "system", "content": SYS}, {"role": "assistant", "content": "A"},
                          {"role": "user", "content": USR}])
     assert parser(name).parse_prompt(text).system_text == SYS
+
+
+# --- where the key is decided (decided_at) ------------------------------------------------------
+
+LONG_SYS = "가" * 400  # 1200 bytes: cut to 341 characters (1023 bytes) by the key
+
+
+def _deciding_cases() -> list[tuple[str, list[dict[str, str]], int]]:
+    cases: list[tuple[str, list[dict[str, str]], int]] = []
+    for name in SYSTEM_OK:
+        cases.append((name, [{"role": "system", "content": SYS}, {"role": "user", "content": USR}],
+                      1024))
+        cases.append((name, [{"role": "system", "content": LONG_SYS},
+                             {"role": "user", "content": USR}], 1024))
+        cases.append((name, [{"role": "system", "content": SYS}, {"role": "user", "content": USR}],
+                      16))
+    for name in NAMES:
+        cases.append((name, [{"role": "user", "content": USR},
+                             {"role": "assistant", "content": "네"},
+                             {"role": "user", "content": "또"}], 1024))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "messages", "limit"), _deciding_cases())
+def test_decided_at_is_the_shortest_text_that_gives_the_key(
+        name: str, messages: list[dict[str, str]], limit: int) -> None:
+    # The HTTP-only resolver asks the engine to tokenize exactly this much text to learn which
+    # blocks of a chain belong to the key (issue #10: tail eviction must not evict the key).
+    text = render(name, messages)
+    p = parser(name)
+    full = p.parse_prompt(text, limit)
+    at = full.decided_at
+    assert at is not None and 0 < at < len(text)
+    cut = p.parse_prompt(text[:at], limit)
+    assert cut.status is ResolveStatus.RESOLVED
+    assert key_of(cut, limit=limit) == key_of(full, limit=limit)
+    assert cut.decided_at == at
+    shorter = p.parse_prompt(text[: at - 1], limit)
+    assert shorter.status is not ResolveStatus.RESOLVED or \
+        key_of(shorter, limit=limit) != key_of(full, limit=limit)

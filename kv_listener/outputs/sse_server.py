@@ -92,6 +92,7 @@ def source_stats_entry(
         "tokens_retained": tokens_retained,
         "prefixes_live": prefixes_live,
         "detokenize_calls": stats.detokenize_calls,
+        "tokenize_calls": stats.tokenize_calls,
         "detokenize_errors": stats.detokenize_errors.total(),
         "detokenize_errors_by_reason": dict(stats.detokenize_errors),
         "salt_rejected": stats.salt_rejected,

@@ -216,6 +216,7 @@ class HttpDetokenizer:
         self._session = session
         self._own_session = session is None
         self.attempts = 0  # HTTP requests sent, retries included
+        self.tokenize_url = sibling_url(url, "tokenize")
         self._label = endpoint_label(url)
 
     def _get_session(self) -> aiohttp.ClientSession:
@@ -225,13 +226,36 @@ class HttpDetokenizer:
         return self._session
 
     async def detokenize(self, tokens: array[int]) -> str:
+        body = await self._call(self.url, detokenize_payload(self.engine, self.model, tokens))
+        return parse_detokenize_response(self.engine, body)
+
+    async def tokenize(self, text: str) -> list[int]:
+        """The engine's own token IDs for `text` (`POST /tokenize` beside `/detokenize`, vLLM
+        0.9+ and SGLang 0.5.4+ `{"prompt", "add_special_tokens"}` -> `{"tokens"}`). Special
+        tokens written in the text (a template's BOS and role markers) are parsed as such;
+        none is added. Same timeouts, retries and breaker as `detokenize`."""
+        payload: dict[str, Any] = {"prompt": text, "add_special_tokens": False}
+        if self.model is not None:
+            payload["model"] = self.model
+        body = await self._call(self.tokenize_url, payload)
+        tokens = body.get("tokens") if isinstance(body, Mapping) else None
+        if isinstance(tokens, list) and len(tokens) == 1 and isinstance(tokens[0], list):
+            tokens = tokens[0]  # SGLang answers a batch shape for a list prompt
+        if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+            raise DetokenizeError(DetokenizeErrorReason.BAD_RESPONSE, "no token list in answer")
+        return tokens
+
+    async def _call(self, url: str, payload: dict[str, Any]) -> Any:
+        """POST `payload` to `url` with retries (retriable failures only) behind the breaker;
+        the parsed JSON answer."""
         delay = self.backoff_initial_s
         attempt = 0
         while True:
             if not self.breaker.allow():
                 raise DetokenizeError(DetokenizeErrorReason.CIRCUIT_OPEN)
             try:
-                text = await self._attempt(tokens)
+                body = await self._attempt(url, payload)
             except DetokenizeError as exc:
                 if exc.reason not in _RETRIABLE:
                     self.breaker.release()
@@ -249,15 +273,14 @@ class HttpDetokenizer:
             if self.breaker.state is not BreakerState.CLOSED:
                 log.info("detokenize_circuit_closed", endpoint=self._label)
             self.breaker.record_success()
-            return text
+            return body
 
-    async def _attempt(self, tokens: array[int]) -> str:
+    async def _attempt(self, url: str, payload: dict[str, Any]) -> Any:
         self.attempts += 1
         session = self._get_session()
-        payload = detokenize_payload(self.engine, self.model, tokens)
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
-            async with session.post(self.url, json=payload, timeout=timeout,
+            async with session.post(url, json=payload, timeout=timeout,
                                     allow_redirects=False) as resp:
                 status = resp.status
                 if status >= 500 or status == 429:
@@ -277,10 +300,9 @@ class HttpDetokenizer:
             raise DetokenizeError(DetokenizeErrorReason.BAD_RESPONSE,
                                   type(exc).__name__) from None
         try:
-            body = json.loads(raw)
+            return json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise DetokenizeError(DetokenizeErrorReason.BAD_RESPONSE, "not JSON") from None
-        return parse_detokenize_response(self.engine, body)
 
     async def close(self) -> None:
         if self._own_session and self._session is not None and not self._session.closed:
@@ -316,13 +338,19 @@ class LocalDetokenizer:
         return None
 
 
-def tokenizer_info_url(detokenize_url: str) -> str:
-    """vLLM serves `/tokenizer_info` next to `/detokenize` (only with
-    `--enable-tokenizer-info-endpoint`)."""
+def sibling_url(detokenize_url: str, name: str) -> str:
+    """The engine route `name` next to its `/detokenize` (`/tokenize`, `/tokenizer_info`,
+    `/health`): vLLM and SGLang serve them all at the same level."""
     parts = urlsplit(detokenize_url)
     path = parts.path
     path = path[: -len("/detokenize")] if path.endswith("/detokenize") else path.rstrip("/")
-    return urlunsplit((parts.scheme, parts.netloc, path + "/tokenizer_info", "", ""))
+    return urlunsplit((parts.scheme, parts.netloc, f"{path}/{name}", "", ""))
+
+
+def tokenizer_info_url(detokenize_url: str) -> str:
+    """vLLM serves `/tokenizer_info` next to `/detokenize` (only with
+    `--enable-tokenizer-info-endpoint`)."""
+    return sibling_url(detokenize_url, "tokenizer_info")
 
 
 class TokenizerInfoStatus(enum.StrEnum):

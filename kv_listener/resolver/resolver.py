@@ -43,6 +43,7 @@ from kv_listener.core.model import Engine, ResolveOutcome, ResolveRequest, Resol
 from kv_listener.core.prefix import DEFAULT_MAX_PREFIX_LENGTH, prefix_key
 from kv_listener.resolver.detokenize import (
     DetokenizeError,
+    DetokenizeErrorReason,
     Detokenizer,
     HttpDetokenizer,
     LocalDetokenizer,
@@ -82,6 +83,10 @@ DEFAULT_MAX_DECODE_TOKENS = 4096
 DEFAULT_TEMPLATE_RETRY_S = 30.0
 #: `counters` key: `/tokenizer_info` requests made after the one at start.
 TEMPLATE_RETRIES = "template_retries"
+#: `/detokenize` calls at most to find the deciding point when the engine's tokenization of the
+#: deciding text is not a prefix of the chain's tokens (a merge across the cut spans a token or
+#: two: more means the text did not come from these tokens).
+_DECIDING_PROBES = 3
 
 
 class TemplateRetry:
@@ -161,6 +166,8 @@ class ChainResolver:
         #: Set while the engine's template is still to be learned (see the module docstring).
         self._template_retry = template_retry
         self._template_task: asyncio.Task[None] | None = None
+        #: The engine refused `/tokenize` (4xx): deciding points are not asked for any more.
+        self._tokenize_refused = False
         #: Resolver-level counters (labels from fixed sets): outcomes by status and reason,
         #: `deduplicated`, `backlog_full`, `resolved_trimming_template`, `callback_errors`,
         #: `template_retries`.
@@ -359,7 +366,65 @@ class ChainResolver:
         key_tokens = None
         if self._local is not None:
             key_tokens = await asyncio.to_thread(self._deciding_tokens, req.model, tokens, key)
+        elif parsed.decided_at is not None and parsed.decided_at < len(text) and \
+                isinstance(self.detokenizer, HttpDetokenizer):
+            key_tokens = await self._deciding_tokens_remote(
+                self.detokenizer, req.model, tokens, text[: parsed.decided_at], key)
         return ResolveOutcome(req.head, ResolveStatus.RESOLVED, key=key, key_tokens=key_tokens)
+
+    async def _deciding_tokens_remote(self, http: HttpDetokenizer, model: str,
+                                      tokens: array[int], deciding_text: str,
+                                      key: bytes) -> int | None:
+        """The fewest leading tokens that resolve to `key`, with the engine's tokenizer only
+        (no local copy): the engine's `/tokenize` of the text the key depends on. When that is
+        a prefix of the chain's tokens, its length is the deciding point (the text cut one
+        token earlier lacks the end delimiter or the last content character the key needs).
+        When the engine's tokenization of the cut text differs from the chain's at token c
+        (BPE merges across the cut), tokens root..c do not decide, so the first of c+1, c+2,
+        ... that does is the answer: at most `_DECIDING_PROBES` `/detokenize` calls. None on
+        any doubt (the tracker then uses the whole request, as before: exact, coarser).
+
+        Without it a chain is attributed only from the length it was resolved at, so an engine
+        that frees tails first (vLLM under memory pressure) makes the key look evicted while the
+        blocks that decide it are still cached (issue #10)."""
+        if self._tokenize_refused:
+            return None
+        if self.stats is not None:
+            self.stats.tokenize_calls += 1
+        try:
+            ids = await http.tokenize(deciding_text)
+        except DetokenizeError as exc:
+            self.counters[f"key_tokens_failed:{exc.reason.value}"] += 1
+            if exc.reason is DetokenizeErrorReason.HTTP_4XX:
+                # An engine without /tokenize (SGLang < 0.5.4, a proxy): do not ask again.
+                self._tokenize_refused = True
+                log.warning("tokenize_unavailable", backend=self.name, detail=exc.detail,
+                            effect="chains are attributed from the length they were resolved "
+                                   "at; a tail eviction can evict a key whose deciding blocks "
+                                   "are still cached")
+            return None
+        n = len(ids)
+        if 0 < n <= len(tokens) and tokens[:n] == array("I", ids):
+            self.counters["key_tokens:tokenized"] += 1
+            return n
+        common = 0
+        limit = min(n, len(tokens))
+        while common < limit and tokens[common] == ids[common]:
+            common += 1
+        for m in range(common + 1, min(common + 1 + _DECIDING_PROBES, len(tokens) + 1)):
+            if self.stats is not None:
+                self.stats.detokenize_calls += 1
+            try:
+                text = await http.detokenize(tokens[:m])
+            except DetokenizeError:
+                break
+            parsed = self.parser.parse_prompt(text, self.max_prefix_length)
+            if parsed.status is ResolveStatus.RESOLVED and prefix_key(
+                    model, parsed.system_text, parsed.first_text, self.max_prefix_length) == key:
+                self.counters["key_tokens:probed"] += 1
+                return m
+        self.counters["key_tokens:unknown"] += 1
+        return None
 
     async def _retry_template(self, retry: TemplateRetry) -> None:
         """Ask `/tokenizer_info` again in a task of its own; wait for it at most the per-call

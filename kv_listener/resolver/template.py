@@ -95,6 +95,11 @@ class ParsedPrompt:
     first_text: str | None = None
     reason: str | None = None
     layout: str | None = None  # name of the layout that parsed it
+    #: RESOLVED: how many leading characters of the text decide the key (the content's end
+    #: delimiter included, or the characters that reach `max_prefix_length` bytes): the text cut
+    #: there parses to the same key, one character less does not. None: only the whole text
+    #: (its last character is a cut multi-byte character).
+    decided_at: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -463,28 +468,55 @@ class _Cut:
         self.text = stripped
 
 
+def _cut_at(text: str, start: int, end: int, max_prefix_length: int) -> int | None:
+    """The offset after the first characters of `text[start:end]` whose UTF-8 bytes reach
+    `max_prefix_length` (the truncated key depends on nothing after it), or None."""
+    total = 0
+    for i in range(start, end):
+        total += _utf8_len(text[i])
+        if total >= max_prefix_length:
+            return i + 1
+    return None
+
+
+def _close_end(close: Any, text: str, start: int, m: Any) -> int:
+    """The shortest text end at which `close` already matches completely where `m` starts (a
+    learned close is an alternation: `<|im_end|>\n<|im_start|>user` or `<|im_end|>`; the
+    search takes the first alternative, but the second already ends the content)."""
+    for end in range(m.start() + 1, m.end()):
+        early = close.search(text, start, end, partial=True)
+        if early is not None and not early.partial and early.start() == m.start():
+            return end
+    return int(m.end())
+
+
 def _content(cut: _Cut, start: int, close: Any | None, max_prefix_length: int
-             ) -> tuple[str, bool, int] | None:
-    """(content, complete, end) from `start` to `close`, or None when too little is known.
+             ) -> tuple[str, bool, int, int | None] | None:
+    """(content, complete, end, decided_at) from `start` to `close`, or None when too little is
+    known.
 
     Complete: the close matched fully (it starts at `end`). Otherwise the known content
     excludes a partial close at the end; it is usable once its bytes (plus one for a cut
     character right at the end) reach `max_prefix_length`, because the truncated key then no
-    longer depends on the rest.
+    longer depends on the rest. `decided_at`: the first characters whose bytes reach
+    `max_prefix_length` end the text the key depends on, else the shortest complete close does
+    (None: only a cut character at the very end makes up the count).
     """
     text = cut.text
     end = len(text)
     if close is not None:
         m = close.search(text, start, partial=True)
         if m is not None and not m.partial:
-            return text[start:m.start()], True, m.start()
+            at = _cut_at(text, start, m.start(), max_prefix_length)
+            return (text[start:m.start()], True, m.start(),
+                    at if at is not None else _close_end(close, text, start, m))
         if m is not None:
             end = m.start()
     known = text[start:end]
     known_bytes = _utf8_len(known) + (1 if cut.cut_char and end == len(text) else 0)
-    if known_bytes >= max_prefix_length:
-        return known, False, end
-    return None
+    if known_bytes < max_prefix_length:
+        return None
+    return known, False, end, _cut_at(text, start, end, max_prefix_length)
 
 
 def _parse_layout(layout: ChatLayout, cut: _Cut, max_prefix_length: int) -> ParsedPrompt | None:
@@ -529,19 +561,26 @@ def _parse_system(layout: ChatLayout, form: SystemForm, cut: _Cut, start: int,
     got = _content(cut, start, form.close, max_prefix_length)
     if got is None:
         return pending
-    content, complete, end = got
+    content, complete, end, decided_at = got
     if not complete:
         if layout.default_system is not None:
             d = layout.default_system.fullmatch(content, partial=True)
             if d is not None:  # could still turn out to be the default system prompt
                 return pending
         if layout.merged_system:  # cannot tell system from user yet: read it as the message
-            return ParsedPrompt(ResolveStatus.RESOLVED, first_text=content, layout=layout.name)
-        return ParsedPrompt(ResolveStatus.RESOLVED, system_text=content, layout=layout.name)
+            return ParsedPrompt(ResolveStatus.RESOLVED, first_text=content, layout=layout.name,
+                                decided_at=decided_at)
+        return ParsedPrompt(ResolveStatus.RESOLVED, system_text=content, layout=layout.name,
+                            decided_at=decided_at)
     if layout.default_system is not None and layout.default_system.fullmatch(content):
         content = ""
     if content:
-        return ParsedPrompt(ResolveStatus.RESOLVED, system_text=content, layout=layout.name)
+        if layout.default_system is not None and decided_at is not None and \
+                layout.default_system.fullmatch(text[start:decided_at], partial=True) is not None:
+            # Cut there, the content could still be the default system prompt.
+            decided_at = _close_end(form.close, text, start, form.close.search(text, start))
+        return ParsedPrompt(ResolveStatus.RESOLVED, system_text=content, layout=layout.name,
+                            decided_at=decided_at)
     # Empty or default system prompt: the key comes from the first user message (M rule).
     m = form.after.match(text, end, partial=True)
     if m is None:
@@ -557,11 +596,12 @@ def _parse_user(layout: ChatLayout, cut: _Cut, start: int, max_prefix_length: in
     got = _content(cut, start, layout.user_close, max_prefix_length)
     if got is None:
         return ParsedPrompt(ResolveStatus.PENDING, layout=layout.name)
-    content, _complete, _end = got
+    content, _complete, _end, decided_at = got
     if not content:
         return ParsedPrompt(ResolveStatus.UNATTRIBUTED, reason=NoKeyReason.NO_TEXT.value,
                             layout=layout.name)
-    return ParsedPrompt(ResolveStatus.RESOLVED, first_text=content, layout=layout.name)
+    return ParsedPrompt(ResolveStatus.RESOLVED, first_text=content, layout=layout.name,
+                        decided_at=decided_at)
 
 
 class PromptParser:

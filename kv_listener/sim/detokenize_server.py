@@ -1,11 +1,16 @@
 """A stand-in for a vLLM engine's tokenizer endpoints, backed by a local tokenizer (the demo's).
 
-Owns two routes in vLLM's shapes (vLLM 0.10 .. 0.33, `vllm/entrypoints/openai/api_server.py`):
+Owns four routes in vLLM's shapes (vLLM 0.10 .. 0.33, `vllm/entrypoints/openai/api_server.py`):
 
 - `POST /detokenize` `{"tokens": [int, ...], "model"?: str}` -> `{"prompt": str}`: decoded with
   `skip_special_tokens=False`, as vLLM's `tokenizer.decode(ids)` does, so the chat-template
   markers survive; a malformed body or an ID outside the vocabulary is a 400 in vLLM's error
   shape, an unknown `model` a 404.
+- `POST /tokenize` `{"prompt": str, "add_special_tokens"?: bool, "model"?: str}` ->
+  `{"count", "max_model_len", "tokens", "token_strs": null}`: special tokens written in the
+  text are parsed as such (HF tokenizers do), `add_special_tokens` (default true) adds a BOS.
+- `GET /health` -> 200 with an empty body while the engine is up (`healthy`), else 503, as
+  vLLM answers once its engine core died.
 - `GET /tokenizer_info` -> the tokenizer's configuration with its `chat_template` (what vLLM
   serves with `--enable-tokenizer-info-endpoint`), so a listener learns the template from the
   engine, as SPEC §2 orders.
@@ -70,6 +75,9 @@ class DetokenizeServer:
         self.port = port
         self.answered = 0  # /detokenize requests answered 200
         self.refused = 0  # /detokenize requests refused
+        self.tokenized = 0  # /tokenize requests answered 200
+        self.health_checks = 0
+        self.healthy = True
         self._vocab = len(tokenizer)
         self._runner: web.AppRunner | None = None
 
@@ -101,6 +109,27 @@ class DetokenizeServer:
         self.answered += 1
         return web.json_response({"prompt": text})
 
+    async def _tokenize(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, "request body is not JSON", "BadRequestError")
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        add_special = body.get("add_special_tokens", True) if isinstance(body, dict) else True
+        if not isinstance(prompt, str) or not isinstance(add_special, bool):
+            return _error(400, "prompt must be a string", "BadRequestError")
+        model = body.get("model")
+        if model is not None and self.served_model is not None and model != self.served_model:
+            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+        ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=add_special)
+        self.tokenized += 1
+        return web.json_response({"count": len(ids), "max_model_len": 1 << 20,
+                                  "tokens": list(ids), "token_strs": None})
+
+    async def _health(self, _: web.Request) -> web.StreamResponse:
+        self.health_checks += 1
+        return web.Response(status=200 if self.healthy else 503)
+
     async def _tokenizer_info(self, _: web.Request) -> web.StreamResponse:
         if self.info is None:
             return web.json_response({"detail": "Not Found"}, status=404)
@@ -109,6 +138,8 @@ class DetokenizeServer:
     async def start(self) -> DetokenizeServer:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_get("/health", self._health)
         app.router.add_get("/tokenizer_info", self._tokenizer_info)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
