@@ -27,6 +27,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kv_listener.config import ConfigError, ListenerConfig, SourceConfig, load_config, read_secret
+from kv_listener.core.liveness import LivenessChange
 from kv_listener.core.model import (
     ClearReason,
     Engine,
@@ -44,7 +45,9 @@ from kv_listener.metrics import BusView, ListenerCollector, SourceView, new_regi
 from kv_listener.outputs.bus_client import BusClient
 from kv_listener.outputs.sse_server import RunningServer, create_app, serve, source_stats_entry
 from kv_listener.outputs.streams import StreamHub
+from kv_listener.resolver.detokenize import sibling_url
 from kv_listener.resolver.resolver import ChainResolver
+from kv_listener.sources.liveness import EngineWatch
 from kv_listener.sources.trtllm import TrtllmSource
 from kv_listener.sources.zmq import ZmqSource
 from kv_listener.stats import SourceStats
@@ -85,7 +88,37 @@ class SourceRuntime:
         self.resolver: ChainResolver | None = None
         self.tracker = self._new_tracker(can_detokenize=False)
         self.source: ZmqSource | TrtllmSource | None = None
+        self.watch = self._new_watch()
+        self.engine_down = False
         self._tasks: list[asyncio.Task[None]] = []
+
+    def _new_watch(self) -> EngineWatch | None:
+        """The engine liveness watch (SPEC §5), or None (`engine_down_after: null`, or a vLLM /
+        SGLang source with neither `health_endpoint` nor `detokenize_endpoint`)."""
+        cfg = self.cfg
+        if cfg.engine_down_after_s is None:
+            self.stats.engine_state = "off"
+            return None
+        url = cfg.health_endpoint
+        if url is None and cfg.engine is not Engine.TRTLLM:
+            if cfg.detokenize_endpoint is None:
+                self.stats.engine_state = "off"
+                return None
+            url = sibling_url(cfg.detokenize_endpoint, "health")
+        return EngineWatch(backend=cfg.backend_name, url=url, interval_s=cfg.health_interval_s,
+                           down_after_s=cfg.engine_down_after_s, stats=self.stats,
+                           on_change=self._on_liveness)
+
+    def _on_liveness(self, change: LivenessChange, _now: float) -> None:
+        if change is LivenessChange.WENT_DOWN:
+            # Whatever the engine cached is gone with it (or unreachable): the router must not
+            # send requests there for a cache hit. Rebuilt from what it publishes when it is back.
+            self.engine_down = True
+            self._put_clear(ClearReason.ENGINE_DOWN)
+            if isinstance(self.source, ZmqSource):
+                self.source.expect_new_stream()
+        else:
+            self.engine_down = False
 
     def _new_tracker(self, *, can_detokenize: bool) -> Tracker:
         verifier = None
@@ -108,6 +141,9 @@ class SourceRuntime:
             asyncio.create_task(self._run_source(), name=f"source:{self.cfg.backend_name}"),
             asyncio.create_task(self._pump(), name=f"pump:{self.cfg.backend_name}"),
         ]
+        if self.watch is not None:
+            self._tasks.append(asyncio.create_task(self.watch.run(),
+                                                   name=f"liveness:{self.cfg.backend_name}"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -199,6 +235,8 @@ class SourceRuntime:
             self.log.warning("tracker_notice", notice=notice.value, detail=_NOTICES[notice])
 
     def ready(self) -> bool:
+        if self.engine_down:
+            return False
         if isinstance(self.source, TrtllmSource):
             return self.source.is_ready()
         return self.stats.ready

@@ -104,6 +104,13 @@ class SourceConfig:
     allowed_publishers: tuple[str, ...] = ("127.0.0.1",)
     chat_template: str | None = None
     limits: Limits = field(default_factory=Limits)
+    #: Engine liveness (vllm, sglang): `GET` this URL every `health_interval_s`; None: `/health`
+    #: beside `detokenize_endpoint` (no liveness without either). TRT-LLM: its poll is the check.
+    health_endpoint: str | None = None
+    health_interval_s: float = 1.0
+    #: An engine with no sign of life (health answer, ZMQ batch, successful poll) for this long
+    #: is down: its source is cleared (`engine_down`) and not ready. None: never.
+    engine_down_after_s: float | None = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,6 +409,9 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
         "allowed_publishers",
         "chat_template",
         "limits",
+        "health_endpoint",
+        "health_interval",
+        "engine_down_after",
     }
     if not isinstance(raw, Mapping):
         r.error(path, f"expected a mapping, got {type_name(raw)}")
@@ -443,6 +453,19 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
     chat_template = r.typed(data, "chat_template", path, str, None, nullable=True)
     r.existing_file(f"{path}.chat_template", chat_template)
     poll = r.duration(data, "poll_interval", path, 0.1, lo=0.01, hi=60.0)
+    health = check_url(
+        r,
+        f"{path}.health_endpoint",
+        r.typed(data, "health_endpoint", path, str, None, nullable=True),
+        ("http", "https"),
+    )
+    health_interval = r.duration(data, "health_interval", path, 1.0, lo=0.05, hi=60.0)
+    down_after: float | None = None
+    if data.get("engine_down_after", "10s") is not None:
+        down_after = r.duration(data, "engine_down_after", path, 10.0, lo=0.1, hi=86400.0)
+        if down_after < health_interval:
+            r.error(f"{path}.engine_down_after",
+                    f"must be at least health_interval ({health_interval:g}s), got {down_after:g}s")
 
     publishers: list[str] = []
     raw_pubs = data.get("allowed_publishers", ["127.0.0.1"])
@@ -471,6 +494,12 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
                 "neither detokenize_endpoint nor tokenizer is set: only salted chains "
                 "can be attributed" + ("" if salt_enabled else ", and cache_salt is not configured either"),
             )
+        if detok is None and health is None and down_after is not None:
+            r.warn(
+                path,
+                "no detokenize_endpoint and no health_endpoint: engine liveness is not checked, "
+                "so a dead engine's prefixes stay live until the engine publishes again",
+            )
     elif engine is Engine.TRTLLM:
         if trtllm is None and "trtllm_endpoint" not in data:
             r.error(f"{path}.trtllm_endpoint", "is required for engine trtllm")
@@ -482,6 +511,9 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
                 f"{path}.detokenize_endpoint",
                 "trtllm-serve has no /detokenize; use a local tokenizer or cache salts",
             )
+        if health is not None:
+            r.error(f"{path}.health_endpoint",
+                    "is only for engines vllm and sglang; a trtllm source's poll is its check")
         elif tokenizer is None and not salt_enabled:
             r.warn(
                 path,
@@ -509,6 +541,9 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
         allowed_publishers=tuple(publishers),
         chat_template=chat_template,
         limits=limits,
+        health_endpoint=health,
+        health_interval_s=health_interval,
+        engine_down_after_s=down_after,
     )
 
 

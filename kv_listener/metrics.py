@@ -133,7 +133,15 @@ class ListenerCollector(Collector):
         depth = GaugeMetricFamily(
             PREFIX + "queue_depth", "Batches waiting between a source and the tracker.", labels=["backend"]
         )
+        engine_up = GaugeMetricFamily(
+            PREFIX + "engine_up",
+            "1 while the engine shows signs of life (health check, batches, polls), 0 once it was "
+            "declared down (engine_down_after); absent for sources whose engine is not watched.",
+            labels=["backend"],
+        )
         for v in views:
+            if v.stats.engine_state != "off":
+                engine_up.add_metric([v.backend], 0.0 if v.stats.engine_state == "down" else 1.0)
             ready.add_metric([v.backend], 1.0 if v.stats.ready else 0.0)
             if v.stats.last_event_at is not None:
                 last.add_metric([v.backend], v.stats.last_event_at)
@@ -141,6 +149,7 @@ class ListenerCollector(Collector):
         yield ready
         yield last
         yield depth
+        yield engine_up
 
         for name, doc in _TRACKER_GAUGES:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["backend"])

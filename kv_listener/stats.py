@@ -32,4 +32,6 @@ class SourceStats:
     detokenize_errors: Counter[str] = field(default_factory=Counter)
     salt_rejected: int = 0
     source_restarts: int = 0
+    engine_state: str = "unknown"  # core.liveness.EngineState value ("off": not watched)
+    engine_downs: int = 0  # times the engine was declared down (a clear each)
     queue_depth: int = 0

@@ -363,7 +363,8 @@ def test_example_config_validates_and_has_every_option() -> None:
                 "client_cert_file", "client_key_file", "reconnect_backoff", "connect_timeout",
                 "drain_deadline", "backend_name", "engine", "model", "zmq_endpoint", "zmq_mode",
                 "zmq_topic", "replay_endpoint", "detokenize_endpoint", "tokenizer", "trtllm_endpoint",
-                "poll_interval", "allowed_publishers", "chat_template", "limits"]:
+                "poll_interval", "allowed_publishers", "chat_template", "limits", "health_endpoint",
+                "health_interval", "engine_down_after"]:
         assert f"{key}:" in text, key
     # the commented event_bus block is itself valid once uncommented
     block = [line[2:] for line in text.splitlines() if line.startswith("# event_bus:") or
@@ -371,3 +372,25 @@ def test_example_config_validates_and_has_every_option() -> None:
     bus = yaml.safe_load("\n".join(block))
     bus["event_bus"]["credential_env"] = "HOME"
     assert parse_config({"event_bus": bus["event_bus"], "sources": [VLLM]}).event_bus is not None
+
+
+def test_liveness_keys() -> None:
+    src = parse_config(with_source()).sources[0]
+    assert (src.health_endpoint, src.health_interval_s, src.engine_down_after_s) == (None, 1.0, 10.0)
+    src = parse_config(with_source(health_endpoint="http://127.0.0.1:8000/health",
+                                   health_interval="250ms", engine_down_after="3s")).sources[0]
+    assert (src.health_endpoint, src.health_interval_s, src.engine_down_after_s) == \
+        ("http://127.0.0.1:8000/health", 0.25, 3.0)
+    assert parse_config(with_source(engine_down_after=None)).sources[0].engine_down_after_s is None
+    assert one_error(with_source(health_interval="2s", engine_down_after="1s")) == \
+        "sources[0].engine_down_after: must be at least health_interval (2s), got 1s"
+    assert "URL scheme" in one_error(with_source(health_endpoint="tcp://127.0.0.1:1"))
+    trt = {"sources": [dict(TRT, health_endpoint="http://127.0.0.1:8001/health")]}
+    assert one_error(trt).startswith("sources[0].health_endpoint: is only for engines vllm")
+
+
+def test_a_zmq_source_without_any_http_endpoint_warns_that_liveness_is_off() -> None:
+    cfg = parse_config(with_source(detokenize_endpoint=...))
+    assert any("engine liveness is not checked" in w for w in cfg.warnings)
+    quiet = parse_config(with_source(detokenize_endpoint=..., engine_down_after=None))
+    assert not any("liveness" in w for w in quiet.warnings)

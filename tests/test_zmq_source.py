@@ -204,6 +204,28 @@ async def test_gap_is_filled_by_replay_in_order(layout: str, mode: str) -> None:
         assert queue.empty()
 
 
+async def test_after_engine_down_the_stream_is_rebuilt_from_the_replay_buffer() -> None:
+    # The liveness watch declared the engine down (a network cut: the engine kept running and
+    # publishing); the source was cleared. What comes next is rebuilt from seq 0 by replay.
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind",
+                            replay_endpoint="tcp://127.0.0.1:0") as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode="connect",
+                     zmq_endpoint=pub.endpoint)
+        source = ZmqSource(cfg, queue, stats)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            pub.publish(payload(100))
+            assert hashes(await get_batch(queue)) == [100]
+            source.expect_new_stream()
+            pub.publish(payload(101))  # seq 1: the batches from seq 0 are replayed first
+            got = [await get_batch(queue) for _ in range(2)]
+        assert [(b.seq, hashes(b)) for b in got] == [(0, [100]), (1, [101])]
+        assert pub.replay_requests == [0]
+        assert not stats.clears
+
+
 async def test_gap_without_replay_clears_then_applies_the_revealing_batch() -> None:
     async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
         queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)

@@ -116,6 +116,7 @@ class ClearReason(enum.StrEnum):
     OVERFLOW = "overflow"  # our own bounded queue overflowed
     SOURCE_RESTART = "source_restart"  # the source task (re)started
     WINDOW_CHANGED = "window_changed"  # TRT-LLM VSWA: a larger attention window appeared
+    ENGINE_DOWN = "engine_down"  # no sign of life for engine_down_after (liveness watch)
 
 
 @dataclass(frozen=True, slots=True)

@@ -212,6 +212,10 @@ class SequenceTracker:
         """Forget the history: the next batch is applied as it is."""
         self._expected = None
 
+    def expect(self, seq: int) -> None:
+        """The next batch in order is `seq` (a later one is a gap to fill by replay)."""
+        self._expected = seq
+
     def observe(self, seq: int) -> SeqDecision:
         """Classify one live batch. APPLY and RESTART advance the state (the batch is to be
         applied, after a clear for RESTART); GAP does not: call `fill_gap` with the replay

@@ -99,6 +99,8 @@ def source_stats_entry(
         "refused_publishers": stats.refused_publishers,
         "last_event_at": stats.last_event_at,
         "ready": stats.ready,
+        "engine_state": stats.engine_state,
+        "engine_downs": stats.engine_downs,
     }
 
 

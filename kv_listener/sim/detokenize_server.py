@@ -77,6 +77,7 @@ class DetokenizeServer:
         self.refused = 0  # /detokenize requests refused
         self.tokenized = 0  # /tokenize requests answered 200
         self.health_checks = 0
+        self.health_checked = asyncio.Event()  # set at every /health request
         self.healthy = True
         self._vocab = len(tokenizer)
         self._runner: web.AppRunner | None = None
@@ -128,6 +129,7 @@ class DetokenizeServer:
 
     async def _health(self, _: web.Request) -> web.StreamResponse:
         self.health_checks += 1
+        self.health_checked.set()
         return web.Response(status=200 if self.healthy else 503)
 
     async def _tokenizer_info(self, _: web.Request) -> web.StreamResponse:

@@ -223,6 +223,15 @@ class ZmqSource:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BIND_RETRY_MAX_S)
 
+    def expect_new_stream(self) -> None:
+        """The engine was declared down and the source cleared: whatever comes next starts
+        afresh. With a replay endpoint the next batch is expected at seq 0, so a stream that goes
+        on above it (the same engine, back from a network cut) is rebuilt from the engine's
+        replay buffer; without one the next batch is applied as it is."""
+        self._seq.reset()
+        if self.config.replay_endpoint is not None:
+            self._seq.expect(0)
+
     def _new_dealer(self) -> zmq.asyncio.Socket:
         assert self._ctx is not None and self.config.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
