@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from kv_listener.config import SourceConfig
 from kv_listener.core.model import Engine, ResolveOutcome, ResolveRequest, ResolveStatus
 from kv_listener.core.prefix import prefix_key, request_prefix_key
-from kv_listener.resolver.detokenize import HttpDetokenizer, LocalDetokenizer
+from kv_listener.resolver.detokenize import CircuitBreaker, HttpDetokenizer, LocalDetokenizer
 from kv_listener.resolver.resolver import (
     BACKLOG_FULL,
     DEFAULT_TEMPLATE_RETRY_S,
@@ -720,3 +720,29 @@ async def test_an_engine_without_tokenize_is_asked_once_and_keys_still_resolve()
     assert server.tokenize_requests == 1
     assert [e["event"] for e in logs if e["event"] == "tokenize_unavailable"] == \
         ["tokenize_unavailable"]
+
+
+async def test_an_open_circuit_holds_requests_until_the_endpoint_is_back() -> None:
+    # After failures open the circuit, a request waits for the breaker's trial instead of
+    # failing at once (which made the tracker ask again at once: the daemon spun, issue #11),
+    # and resolves as soon as the endpoint answers again, without being asked twice.
+    queue: asyncio.Queue[ResolveOutcome] = asyncio.Queue()
+    async with DetokenizeServer(chatml()) as server:
+        server.script = [500, 500]
+        http = HttpDetokenizer(server.url, Engine.VLLM, retries=0,
+                               breaker=CircuitBreaker(failure_threshold=2, cooldown_s=0.3))
+        resolver = ChainResolver(detokenizer=http, parser=chatml_parser(),
+                                 on_outcome=queue.put_nowait, max_concurrency=1)
+        try:
+            for head in (1, 2):
+                resolver.submit(ResolveRequest(head, "m", SYSTEM_CHAT))
+                out = await next_outcome(queue)
+                assert (out.head, out.status, out.reason) == (head, ResolveStatus.FAILED, "http_5xx")
+            assert http.breaker.state.value == "open"
+            resolver.submit(ResolveRequest(3, "m", SYSTEM_CHAT))
+            out = await next_outcome(queue)
+        finally:
+            await resolver.close()
+    assert (out.head, out.status) == (3, ResolveStatus.RESOLVED)
+    assert len(server.requests) == 3  # two failures, then the one trial that succeeded
+    assert resolver.counters["circuit_waits"] >= 1

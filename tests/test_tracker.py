@@ -242,6 +242,25 @@ def test_with_the_hint_one_request_serves_every_user_of_a_system_prompt() -> Non
     assert t.pending == 0
 
 
+def test_a_failed_probe_is_not_asked_again_until_its_chain_grows() -> None:
+    # A probe asks for fewer tokens than its chain has; a FAILED answer (circuit open, engine
+    # down) must not look like growth, or the tracker asks again at once, forever: with an
+    # answer that fails without any I/O the daemon spun and stopped serving (issue #11).
+    t = make()
+    e = PrefixCache(t)
+    e.store(chat(SYSTEM, [100, 101, 102]))
+    serve(t, hint=False)
+    e.store(chat(SYSTEM, [150, 151, 152]))
+    probe = t.take_resolve_requests()
+    assert [len(r.tokens) for r in probe] == [24]  # shorter than the branch (28 tokens)
+    t.on_resolved(ResolveOutcome(probe[0].head, ResolveStatus.FAILED, reason="circuit_open"))
+    assert t.take_resolve_requests() == []
+    assert t.pending == 1
+    e.store(chat(SYSTEM, [150, 151, 152, 153, 154, 155, 156]))  # the branch grows: ask again
+    again = t.take_resolve_requests()
+    assert len(again) == 1
+
+
 def test_branch_with_another_system_prompt_gets_its_own_key() -> None:
     t = make()
     e = PrefixCache(t)

@@ -206,8 +206,9 @@ class _Chain:
     """
 
     __slots__ = (
-        "anchor", "base", "d", "fork_at", "forks", "head", "inflight", "key", "last", "model",
-        "nblocks", "probe_q", "probing", "requested", "status", "tokens", "waiting", "wanted",
+        "anchor", "asked_len", "base", "d", "fork_at", "forks", "head", "inflight", "key", "last",
+        "model", "nblocks", "probe_q", "probing", "requested", "status", "tokens", "waiting",
+        "wanted",
     )
 
     def __init__(self, model: str, fork_at: int | None = None) -> None:
@@ -220,6 +221,7 @@ class _Chain:
         # request bookkeeping
         self.inflight: int | None = None  # head of the outstanding request
         self.requested = 0  # tokens sent in the last request
+        self.asked_len = 0  # chain length (capped) when it was sent: a probe sends fewer tokens
         self.last = _LAST_NONE
         self.wanted = False  # queued for take_resolve_requests
         self.waiting = False  # waits for the answer of the chain it forked from
@@ -488,6 +490,7 @@ class Tracker:
                 out.append(ResolveRequest(head=head.hash, model=ch.model, tokens=tokens))
             ch.inflight = head.hash
             ch.requested = n
+            ch.asked_len = limited
             ch.probing = probing
         self._want.extend(later)
         self.resolve_requests += len(out)
@@ -971,12 +974,13 @@ class Tracker:
         self._want_request(ch)
 
     def _after_answer(self, ch: _Chain) -> None:
-        """After PENDING / FAILED: ask again at once if the chain grew meanwhile."""
+        """After PENDING / FAILED: ask again at once if the chain grew meanwhile (since it was
+        asked: a probe asked for fewer tokens than the chain had, which is no growth)."""
         head = self._blocks.get(ch.head) if ch.head is not None else None
         if head is None:
             return
         limited = min(head.chain_len, self._max_chain)
-        if limited > ch.requested:
+        if limited > ch.asked_len:
             self._want_request(ch)
         elif ch.last == _LAST_PENDING and limited >= self._max_chain:
             self._discard_chain(ch, UnattributedReason.TOO_LONG)

@@ -101,6 +101,12 @@ class CircuitBreaker:
             return BreakerState.HALF_OPEN
         return BreakerState.OPEN
 
+    def retry_in_s(self) -> float:
+        """Seconds until an open circuit lets a trial through (0 when closed or half-open)."""
+        if self._opened_at is None:
+            return 0.0
+        return max(0.0, self.cooldown_s - (self._clock() - self._opened_at))
+
     def allow(self) -> bool:
         """May a call go out now? In half-open state only one trial at a time."""
         state = self.state

@@ -87,6 +87,10 @@ TEMPLATE_RETRIES = "template_retries"
 #: deciding text is not a prefix of the chain's tokens (a merge across the cut spans a token or
 #: two: more means the text did not come from these tokens).
 _DECIDING_PROBES = 3
+#: How long a request waits for an open circuit's trial before it is answered FAILED (the
+#: tracker then asks again when its chain grows), and how often a waiting worker looks again.
+DEFAULT_CIRCUIT_WAIT_S = 30.0
+_CIRCUIT_POLL_S = 0.05
 
 
 class TemplateRetry:
@@ -140,6 +144,7 @@ class ChainResolver:
         name: str = "source",
         local_tokenizer: Any = None,
         template_retry: TemplateRetry | None = None,
+        circuit_wait_s: float = DEFAULT_CIRCUIT_WAIT_S,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
@@ -152,6 +157,7 @@ class ChainResolver:
         self.max_concurrency = max_concurrency
         self.max_backlog = max_backlog
         self.max_decode_tokens = max_decode_tokens
+        self.circuit_wait_s = circuit_wait_s
         self.name = name
         self._on_outcome = on_outcome
         #: A local copy of the engine's tokenizer (the source's `tokenizer`), when there is one:
@@ -324,6 +330,9 @@ class ChainResolver:
             if not self._heads:
                 self._idle.set()
             self._deliver(outcome)
+            # The callback may have queued more work that fails without any I/O (an open
+            # circuit): never run back to back without letting the loop serve others.
+            await asyncio.sleep(0)
 
     async def resolve(self, req: ResolveRequest) -> ResolveOutcome:
         """Decode, parse and key one chain (no de-duplication, no bound: `submit` adds those)."""
@@ -335,7 +344,7 @@ class ChainResolver:
         capped = len(req.tokens) > self.max_decode_tokens
         tokens = req.tokens[: self.max_decode_tokens] if capped else req.tokens
         try:
-            text = await self.detokenizer.detokenize(tokens)
+            text = await self._detokenize(tokens)
         except DetokenizeError as exc:
             reason = exc.reason.value
             if self.stats is not None:
@@ -425,6 +434,26 @@ class ChainResolver:
                 return m
         self.counters["key_tokens:unknown"] += 1
         return None
+
+    async def _detokenize(self, tokens: array[int]) -> str:
+        """Decode; while the endpoint's circuit is open, wait for its trial (at most
+        `circuit_wait_s`) instead of failing at once: an engine restart or a `/detokenize`
+        outage then costs one trial per cooldown, not a stream of instant failures, and the
+        waiting chains resolve as soon as the endpoint is back."""
+        http = self.detokenizer if isinstance(self.detokenizer, HttpDetokenizer) else None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.circuit_wait_s
+        while True:
+            try:
+                return await self.detokenizer.detokenize(tokens)
+            except DetokenizeError as exc:
+                left = deadline - loop.time()
+                if http is None or exc.reason is not DetokenizeErrorReason.CIRCUIT_OPEN or left <= 0:
+                    raise
+                self.counters["circuit_waits"] += 1
+                # A designed wait for the breaker's cooldown (no event marks its end); polled at
+                # most every 50 ms while another worker's trial is out.
+                await asyncio.sleep(min(max(http.breaker.retry_in_s(), _CIRCUIT_POLL_S), left))
 
     async def _retry_template(self, retry: TemplateRetry) -> None:
         """Ask `/tokenizer_info` again in a task of its own; wait for it at most the per-call
