@@ -263,6 +263,7 @@ class Listener:
         self.server: RunningServer | None = None
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[bool] | None = None
+        self._reload_again = False
         self._salt_secret: bytes | None = None
 
     # --- ListenerStatus for the HTTP app ------------------------------------------------------
@@ -398,9 +399,20 @@ class Listener:
             log.info("config_reload_ignored", reason="stopping")
             return
         if self._reloading is not None and not self._reloading.done():
-            log.warning("config_reload_busy")
+            # One more reload once this one is done: the file may have changed after it was
+            # read, and the last SIGHUP must win.
+            self._reload_again = True
+            log.info("config_reload_queued")
             return
-        self._reloading = asyncio.create_task(self.reload())
+        self._reloading = asyncio.create_task(self._reload_until_settled())
+
+    async def _reload_until_settled(self) -> bool:
+        ok = False
+        while True:
+            self._reload_again = False
+            ok = await self.reload()
+            if not self._reload_again or self._stop.is_set():
+                return ok
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -761,7 +761,16 @@ def read_yaml(path: str | Path) -> Any:
 
 
 def load_config(path: str | Path) -> ListenerConfig:
-    return parse_config(read_yaml(path))
+    """A listener file, checked exactly as `config validate` checks it: at start and on every
+    SIGHUP. An empty file, or a router file, is not a listener configuration (it would otherwise
+    parse as "all defaults, no sources" and a reload would stop every source)."""
+    raw = read_yaml(path)
+    if raw is None or raw == {}:
+        raise ConfigError([f"{path}: the file is empty: not a listener configuration"])
+    if isinstance(raw, Mapping) and "kv_cache_index" in raw and "sources" not in raw:
+        raise ConfigError([f"{path}: this is a router configuration (top-level 'kv_cache_index'); "
+                           "run it with 'continuum-kv-listener router --config'"])
+    return parse_config(raw)
 
 
 def read_secret(file: str | None, env: str | None) -> bytes | None:
