@@ -433,7 +433,9 @@ class Listener:
     async def _serve_until_stopped(self) -> None:
         app = create_app(self.hub, self)
         try:
-            self.server = await serve(app, self.config.listen_host, self.config.listen_port)
+            # Room for every SSE client plus scrapes and probes; beyond it a connection is closed.
+            self.server = await serve(app, self.config.listen_host, self.config.listen_port,
+                                      max_connections=self.config.max_sse_clients + 128)
         except OSError as exc:
             raise ConfigError([f"listen: cannot bind {self.config.listen_host}:"
                                f"{self.config.listen_port}: {exc.strerror or exc}"]) from None

@@ -3,6 +3,13 @@ the router's admin app).
 
 uvicorn's own signal handlers are disabled: the daemon owns SIGTERM/SIGINT/SIGHUP. The socket is
 bound here so a bind failure is a plain `OSError` for the caller (uvicorn would `sys.exit`).
+
+Slow and hostile clients (issue #11): uvicorn 0.30-0.54 has no header read timeout (a client that
+drips its request line and headers one byte at a time holds a connection for ever; its keep-alive
+timer is cancelled by the first byte) and no hard connection cap (`limit_concurrency` answers 503
+only once a request is complete). `_GuardedH11Protocol` adds both: a request's headers must be
+complete within `header_timeout_s` of the connection, or of the previous response's end, else the
+connection is closed; beyond `max_connections` open connections a new one is closed at once.
 """
 
 from __future__ import annotations
@@ -16,8 +23,65 @@ from typing import Any
 
 import structlog
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = structlog.get_logger(__name__)
+
+#: Time a client has to send a whole request line and headers.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: Open connections at most, whatever they do (SSE streams, scrapes, half-sent requests).
+DEFAULT_MAX_CONNECTIONS = 1024
+
+
+class _GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a header read timeout and a hard connection cap (see the
+    module docstring). Configured through class attributes set by `serve()`."""
+
+    header_timeout_s = DEFAULT_HEADER_TIMEOUT_S
+    max_connections = DEFAULT_MAX_CONNECTIONS
+    refused = 0  # connections closed at once (over the cap)
+    timed_out = 0  # connections closed because their headers did not arrive in time
+
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            type(self).refused += 1
+            transport.abort()
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        if self.cycle is not before:  # a request's headers are complete
+            self._cancel_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.cycle is not None \
+                and self.cycle.response_complete:
+            self._arm_header_timer()  # the next request on this connection gets the same time
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timed_out)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timed_out(self) -> None:
+        self._header_timer = None
+        if self.cycle is None or self.cycle.response_complete:
+            type(self).timed_out += 1
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -45,6 +109,8 @@ class RunningServer:
         self._task = task
         self.host = host
         self.port = port
+        #: The connection protocol class (its `refused` and `timed_out` counters).
+        self.protocol: type[_GuardedH11Protocol] = _GuardedH11Protocol
 
     async def stop(self) -> None:
         """Graceful stop: no new connections, open responses get the graceful timeout, then
@@ -74,6 +140,8 @@ def _bind(host: str, port: int, backlog: int) -> socket.socket:
 
 async def serve(
     app: Any, host: str, port: int, *, graceful_timeout_s: float = 5.0, backlog: int = 2048,
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> RunningServer:
     """Run `app` under uvicorn in the running loop; returns once it accepts connections.
 
@@ -82,8 +150,12 @@ async def serve(
     """
     sock = _bind(host, port, backlog)
     bound_port = sock.getsockname()[1]
+    # One protocol class per server: the limits are its class attributes.
+    protocol = type("GuardedH11Protocol", (_GuardedH11Protocol,), {
+        "header_timeout_s": header_timeout_s, "max_connections": max_connections,
+        "refused": 0, "timed_out": 0})
     config = uvicorn.Config(
-        app, http="h11", ws="none", lifespan="off", log_config=None, access_log=False,
+        app, http=protocol, ws="none", lifespan="off", log_config=None, access_log=False,
         server_header=False, timeout_graceful_shutdown=math.ceil(graceful_timeout_s),
         backlog=backlog,
     )
@@ -98,5 +170,8 @@ async def serve(
         sock.close()
         task.result()  # raises what made it stop
         raise RuntimeError("uvicorn stopped during startup")
-    log.info("http_listening", host=host, port=bound_port)
-    return RunningServer(server, task, host, bound_port)
+    log.info("http_listening", host=host, port=bound_port, header_timeout_s=header_timeout_s,
+             max_connections=max_connections)
+    running = RunningServer(server, task, host, bound_port)
+    running.protocol = protocol
+    return running
