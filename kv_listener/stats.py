@@ -32,6 +32,11 @@ class SourceStats:
     detokenize_errors: Counter[str] = field(default_factory=Counter)
     salt_rejected: int = 0
     source_restarts: int = 0
+    #: How the start-up replay went: exact (the buffer started at seq 0), partial, empty,
+    #: timeout, unavailable; None without a replay endpoint (or before it finished).
+    startup_replay: str | None = None
+    startup_replay_batches: int = 0
+    startup_replay_from_seq: int | None = None
     engine_state: str = "unknown"  # core.liveness.EngineState value ("off": not watched)
     engine_downs: int = 0  # times the engine was declared down (a clear each)
     queue_depth: int = 0

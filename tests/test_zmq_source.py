@@ -198,7 +198,7 @@ async def test_gap_is_filled_by_replay_in_order(layout: str, mode: str) -> None:
             got = [await get_batch(queue) for _ in range(5)]
         assert [b.seq for b in got] == [0, 1, 2, 3, 4]
         assert [hashes(b) for b in got] == [[100], [101], [102], [103], [104]]
-        assert pub.replay_requests == [1]
+        assert pub.replay_requests == [0, 1]  # the start-up replay, then the gap
         assert (stats.gaps, stats.replays, stats.replay_failures) == (1, 1, 0)
         assert not stats.clears
         assert queue.empty()
@@ -222,7 +222,7 @@ async def test_after_engine_down_the_stream_is_rebuilt_from_the_replay_buffer() 
             pub.publish(payload(101))  # seq 1: the batches from seq 0 are replayed first
             got = [await get_batch(queue) for _ in range(2)]
         assert [(b.seq, hashes(b)) for b in got] == [(0, [100]), (1, [101])]
-        assert pub.replay_requests == [0]
+        assert pub.replay_requests == [0, 0]  # the start-up replay, then the rebuild
         assert not stats.clears
 
 
@@ -261,7 +261,7 @@ async def test_replay_that_starts_above_the_requested_seq_clears() -> None:
                 pub.publish(payload(h))  # buffer keeps only the last 2: seqs 2, 3
             pub.publish(payload(5))  # seq 4 reveals the gap 1..3
             items = [await get(queue) for _ in range(3)]
-        assert pub.replay_requests == [1]
+        assert pub.replay_requests == [0, 1]  # the start-up replay, then the gap
     assert [type(i).__name__ for i in items] == ["EventBatch", "SourceCleared", "EventBatch"]
     assert items[1] == SourceCleared(ClearReason.GAP)
     assert isinstance(items[2], EventBatch) and hashes(items[2]) == [5]
@@ -297,7 +297,7 @@ async def test_replay_timeout_clears_keeps_live_batches_and_recovers() -> None:
             pub.publish(payload(7))
             after = [await get_batch(queue) for _ in range(2)]
         assert [hashes(b) for b in after] == [[6], [7]]
-        assert pub.replay_requests == [1, 5]
+        assert pub.replay_requests == [0, 1, 5]  # the start-up replay, then the gaps
         assert (stats.gaps, stats.replays, stats.replay_failures) == (2, 1, 1)
 
 

@@ -99,6 +99,9 @@ def source_stats_entry(
         "refused_publishers": stats.refused_publishers,
         "last_event_at": stats.last_event_at,
         "ready": stats.ready,
+        "startup_replay": None if stats.startup_replay is None else {
+            "status": stats.startup_replay, "batches": stats.startup_replay_batches,
+            "from_seq": stats.startup_replay_from_seq},
         "engine_state": stats.engine_state,
         "engine_downs": stats.engine_downs,
     }

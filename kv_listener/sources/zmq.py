@@ -63,6 +63,8 @@ log = structlog.get_logger(__name__)
 ZAP_DOMAIN = b"continuum-kv-listener"
 _MAX_LOGGED_PEERS = 1024
 _BIND_RETRY_MAX_S = 30.0
+#: `_replay`'s upper bound when the whole buffer is wanted (start-up).
+_ALL_SEQS = 1 << 63
 
 
 class _AllowListAuthenticator(AsyncioAuthenticator):
@@ -186,6 +188,8 @@ class ZmqSource:
             self.stats.ready = True
             self.ready.set()
             self._log.info("zmq_source_ready", endpoint=self.endpoint, mode=self.config.zmq_mode)
+            if self._dealer is not None:
+                await self._startup_replay(sub, self._dealer)
             while True:
                 frames = self._backlog.popleft() if self._backlog else await self._recv_live(sub)
                 await self._handle(sub, frames)
@@ -293,6 +297,50 @@ class ZmqSource:
             self._feeder.put(decoded.batch)
 
     # --- gaps and replay ----------------------------------------------------------------
+
+    async def _startup_replay(self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket) -> None:
+        """Rebuild what the engine holds from its whole replay buffer (a listener restarted
+        next to a running engine would otherwise know nothing stored before its start; vLLM
+        keeps up to 10,000 batches). Exact when the buffer still starts at seq 0; otherwise the
+        state is what it holds, said in the log and in `/stats`. Live batches received meanwhile
+        that the replay already covered are skipped; the rest follow in order. An engine that
+        does not answer (not up yet) leaves seq 0 expected, so its first batch above 0 is
+        fetched by replay like any gap."""
+        replayed, status = await self._replay(sub, dealer, 0, _ALL_SEQS)
+        applied: list[int] = []
+        for seq, payload in replayed:
+            if applied and seq != applied[-1] + 1:
+                break  # a hole: the rest cannot be applied in order
+            self._apply(seq, payload)
+            applied.append(seq)
+        st = self.stats
+        if not applied:
+            self._seq.expect(0)
+            st.startup_replay = "empty" if status is ReplayStatus.COMPLETE else status.value
+            self._log.info("zmq_startup_replay", status=st.startup_replay, batches=0)
+            return
+        self._seq.expect(applied[-1] + 1)
+        st.startup_replay = "exact" if applied[0] == 0 else "partial"
+        st.startup_replay_batches = len(applied)
+        st.startup_replay_from_seq = applied[0]
+        kept: deque[list[bytes]] = deque()
+        for frames in self._backlog:
+            try:
+                _topic, seq, _payload = parse_event_frames(frames)
+            except FrameError:
+                kept.append(frames)  # counted when handled
+                continue
+            if seq > applied[-1]:
+                kept.append(frames)
+        self._backlog = kept
+        if applied[0] == 0:
+            self._log.info("zmq_startup_replay", status="exact", batches=len(applied),
+                           last_seq=applied[-1])
+        else:
+            self._log.warning("zmq_startup_replay", status="partial", batches=len(applied),
+                              from_seq=applied[0], last_seq=applied[-1],
+                              effect="blocks stored before the engine's replay buffer starts "
+                                     "are unknown until stored again")
 
     async def _fill_gap(self, sub: zmq.asyncio.Socket, decision: SeqDecision, payload: bytes) -> None:
         expected = decision.expected
