@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from kv_listener.core.decode import DEFAULT_MAX_EVENT_HASHES, DEFAULT_MAX_EVENT_TOKENS
 from kv_listener.core.model import Engine
 
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -49,6 +50,12 @@ class Limits:
     max_chain_tokens: int = 16384
     max_tracked_blocks: int = 100000
     max_retained_tokens: int = 16777216
+    #: A ZMQ batch payload above this is dropped on receipt and counted (message_too_large).
+    max_message_bytes: int = 8 << 20
+    #: An event with more token IDs or block hashes than this is dropped and counted; an array
+    #: over twice as long makes the whole message undecodable (nothing that big is built).
+    max_event_tokens: int = DEFAULT_MAX_EVENT_TOKENS
+    max_event_hashes: int = DEFAULT_MAX_EVENT_HASHES
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,6 +342,11 @@ def _limits(r: Reader, raw: Any, path: str, base: Limits) -> Limits:
         max_retained_tokens=r.int_range(
             data, "max_retained_tokens", path, base.max_retained_tokens, 0, 1 << 32
         ),
+        max_message_bytes=r.int_range(
+            data, "max_message_bytes", path, base.max_message_bytes, 1024, 1 << 31
+        ),
+        max_event_tokens=r.int_range(data, "max_event_tokens", path, base.max_event_tokens, 1, 1 << 28),
+        max_event_hashes=r.int_range(data, "max_event_hashes", path, base.max_event_hashes, 1, 1 << 24),
     )
     return lim
 

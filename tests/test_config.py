@@ -364,7 +364,8 @@ def test_example_config_validates_and_has_every_option() -> None:
                 "drain_deadline", "backend_name", "engine", "model", "zmq_endpoint", "zmq_mode",
                 "zmq_topic", "replay_endpoint", "detokenize_endpoint", "tokenizer", "trtllm_endpoint",
                 "poll_interval", "allowed_publishers", "chat_template", "limits", "health_endpoint",
-                "health_interval", "engine_down_after"]:
+                "health_interval", "engine_down_after", "max_message_bytes", "max_event_tokens",
+                "max_event_hashes"]:
         assert f"{key}:" in text, key
     # the commented event_bus block is itself valid once uncommented
     block = [line[2:] for line in text.splitlines() if line.startswith("# event_bus:") or
@@ -394,3 +395,11 @@ def test_a_zmq_source_without_any_http_endpoint_warns_that_liveness_is_off() -> 
     assert any("engine liveness is not checked" in w for w in cfg.warnings)
     quiet = parse_config(with_source(detokenize_endpoint=..., engine_down_after=None))
     assert not any("liveness" in w for w in quiet.warnings)
+
+
+def test_hostile_input_caps_are_limits() -> None:
+    lim = parse_config({"limits": {"max_message_bytes": 65536, "max_event_tokens": 100,
+                                   "max_event_hashes": 10}, "sources": [VLLM]}).limits
+    assert (lim.max_message_bytes, lim.max_event_tokens, lim.max_event_hashes) == (65536, 100, 10)
+    assert Limits().max_message_bytes == 8 << 20
+    assert "sources[0].limits.max_event_hashes" in one_error(with_source(limits={"max_event_hashes": 0}))

@@ -828,3 +828,30 @@ def test_sglang_encoder_matches_msgspec(version: str) -> None:
         lay, events, 2)
     d = decode_zmq_payload(Engine.SGLANG, encode_sglang_batch(events, ts=TS, version=version))
     assert d.batch.events == tuple(events) and d.batch.dp_rank == 0
+
+
+# --- caps on hostile events (issue #11, finding 3) ----------------------------------------------
+
+
+def test_an_event_over_the_token_or_hash_cap_drops_alone() -> None:
+    def ev(n_hashes: int, n_tokens: int, first: int) -> BlockStored:
+        return BlockStored(block_hashes=tuple(range(first, first + n_hashes)), parent_hash=None,
+                           token_ids=array("I", [5] * n_tokens), block_size=16)
+
+    payload = encode_vllm_batch([ev(1, 16, 1), ev(1, 160, 10), ev(20, 0, 100)], ts=1.0)
+    out = decode_zmq_payload(Engine.VLLM, payload, 0, max_event_tokens=100, max_event_hashes=10)
+    assert [e.block_hashes[0] for e in out.batch.events] == [1]  # type: ignore[union-attr]
+    assert out.drops == {"too_many_tokens": 1, "too_many_hashes": 1}
+
+
+def test_a_msgpack_bomb_is_refused_before_it_is_built() -> None:
+    # one event claiming 10M token IDs: refused by the array-length cap, not materialized
+    bomb = msgpack.packb([1.0, [["BlockStored", [1], None, list(range(3000)), 16]]])
+    with pytest.raises(DecodeError) as info:
+        decode_zmq_payload(Engine.VLLM, bomb, 0, max_event_tokens=1000, max_event_hashes=10)
+    assert info.value.reason is DropReason.OVERSIZED_ARRAY
+    header = b"\x92\xcb" + b"\x3f\xf0" + b"\x00" * 6 + b"\x91\x95\xabBlockStored\x91\x01\xc0" \
+        + b"\xdd" + (10_000_000).to_bytes(4, "big")  # array32 header of 10M elements, no body
+    with pytest.raises(DecodeError) as info:
+        decode_zmq_payload(Engine.VLLM, header, 0)
+    assert info.value.reason in (DropReason.OVERSIZED_ARRAY, DropReason.INVALID_MSGPACK)

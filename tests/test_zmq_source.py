@@ -12,7 +12,7 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from kv_listener.config import SourceConfig
+from kv_listener.config import Limits, SourceConfig
 from kv_listener.core.model import (
     BlockRemoved,
     BlockStored,
@@ -369,6 +369,26 @@ async def test_a_publisher_restarted_after_one_batch_clears_and_applies_its_batc
     assert cleared == SourceCleared(ClearReason.ENGINE_RESTART)
     assert (second.seq, hashes(second)) == (0, [8])
     assert not stats.events_dropped
+
+
+async def test_a_message_over_max_message_bytes_is_dropped_and_counted() -> None:
+    # issue #11, finding 3: one giant frame took RSS to 545 MiB while it was decoded
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect",
+                                  limits=Limits(max_message_bytes=4096)), queue, stats)
+        async with running(source):
+            await pub.wait_for_subscriber()
+            pub.publish(payload(1))  # seq 0
+            big = BlockStored(block_hashes=(2,), parent_hash=None,
+                              token_ids=array("I", [70000] * 4000), block_size=4000, medium="GPU")
+            pub.publish(encode_vllm_batch([big], ts=1.0))  # seq 1: about 20 KB
+            pub.publish(payload(3))  # seq 2
+            got = [await get_batch(queue), await get_batch(queue)]
+    assert [(b.seq, hashes(b)) for b in got] == [(0, [1]), (2, [3])]
+    assert stats.events_dropped == {"message_too_large": 1}
+    assert stats.gaps == 0
 
 
 # --- allowed publishers (ZAP) --------------------------------------------------------------

@@ -69,10 +69,13 @@ class DropReason(enum.StrEnum):
     BAD_HASH = "bad_hash"  # block hash neither int nor non-empty bytes (or out of u64/i64 range)
     BAD_TOKENS = "bad_tokens"  # token id not an int in 0..2^32-1 (or a malformed EAGLE pair)
     NO_TIER_CHANGE = "no_tier_change"  # TRT-LLM `updated` without a cache_level change (skipped)
+    TOO_MANY_TOKENS = "too_many_tokens"  # more token IDs than `max_event_tokens`
+    TOO_MANY_HASHES = "too_many_hashes"  # more block hashes than `max_event_hashes`
     # --- a whole payload dropped: raised as DecodeError ---
     INVALID_MSGPACK = "invalid_msgpack"  # payload is not one msgpack object
     INVALID_JSON = "invalid_json"  # TRT-LLM body is not JSON
     MALFORMED_BATCH = "malformed_batch"  # msgpack/JSON fine, but not a batch envelope / list
+    OVERSIZED_ARRAY = "oversized_array"  # an array beyond twice the event caps: not decoded
     # --- frame level, used by the ZMQ source (`core.sequence` parses frames) ---
     BAD_FRAME_COUNT = "bad_frame_count"  # a ZMQ message that is not [topic, seq, payload]
     BAD_SEQ = "bad_seq"  # sequence frame that is not 8 bytes
@@ -474,11 +477,19 @@ _TABLES: dict[Engine, tuple[dict[str, _Handler], dict[str, _Handler]]] = {
 # --- batches ---------------------------------------------------------------------------------
 
 
-def _unpack(payload: bytes | bytearray | memoryview) -> Any:
+def _unpack(payload: bytes | bytearray | memoryview, max_array_len: int) -> Any:
     try:
         # strict_map_key=False: an odd key type must not sink the whole batch (the event that
-        # carries it is judged on its own); str keys stay str (raw=False).
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        # carries it is judged on its own); str keys stay str (raw=False). max_array_len: a
+        # msgpack bomb (one array of millions of token IDs) is refused before it is built.
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False,
+                               max_array_len=max_array_len, max_map_len=max_array_len)
+    except ValueError as exc:
+        if "exceeds max_" in str(exc):
+            raise DecodeError(DropReason.OVERSIZED_ARRAY, "an array or map beyond the caps") from None
+        raise DecodeError(
+            DropReason.INVALID_MSGPACK, f"payload is not one msgpack object ({type(exc).__name__})"
+        ) from None
     except Exception as exc:  # msgpack raises ExtraData, FormatError, StackError, ValueError, ...
         raise DecodeError(
             DropReason.INVALID_MSGPACK, f"payload is not one msgpack object ({type(exc).__name__})"
@@ -512,16 +523,25 @@ def _envelope(obj: Any) -> tuple[float, list[Any], int | None]:
     return float(ts), events, dp
 
 
+#: Default event caps (`config.Limits`): token IDs and block hashes of one event.
+DEFAULT_MAX_EVENT_TOKENS = 1 << 20
+DEFAULT_MAX_EVENT_HASHES = 1 << 16
+
+
 def decode_zmq_payload(
-    engine: Engine, payload: bytes | bytearray | memoryview, seq: int | None = None
+    engine: Engine, payload: bytes | bytearray | memoryview, seq: int | None = None, *,
+    max_event_tokens: int = DEFAULT_MAX_EVENT_TOKENS,
+    max_event_hashes: int = DEFAULT_MAX_EVENT_HASHES,
 ) -> DecodedBatch:
     """Decode the msgpack payload frame of a vLLM / SGLang (or TRT-LLM streaming) batch.
 
     Array and map events may be mixed in one batch. Raises `DecodeError` (reason
-    `invalid_msgpack` or `malformed_batch`) when the payload or its envelope is unusable; a bad
-    event only drops itself (counted in `drops`). `seq` is copied into `EventBatch.seq`.
+    `invalid_msgpack`, `malformed_batch`, or `oversized_array` for an array over twice the
+    caps) when the payload or its envelope is unusable; a bad event only drops itself (counted
+    in `drops`), and so does one with more than `max_event_tokens` token IDs or
+    `max_event_hashes` hashes. `seq` is copied into `EventBatch.seq`.
     """
-    ts, events, dp = _envelope(_unpack(payload))
+    ts, events, dp = _envelope(_unpack(payload, 2 * max(max_event_tokens, max_event_hashes)))
     array_table, map_table = _TABLES[engine]
     out: list[KvEvent] = []
     drops: Counter[str] = Counter()
@@ -541,11 +561,24 @@ def decode_zmq_payload(
                 reason = DropReason.UNKNOWN_TAG if type(tag) is str else DropReason.MALFORMED_EVENT
                 drops[reason] += 1
                 continue
-            out.append(handler(ev))
+            decoded = handler(ev)
         except _Drop as d:
             drops[d.reason] += 1
+            continue
         except _EVENT_ERRORS:
             drops[DropReason.MALFORMED_EVENT] += 1
+            continue
+        if type(decoded) is BlockStored:
+            if len(decoded.token_ids) > max_event_tokens:
+                drops[DropReason.TOO_MANY_TOKENS] += 1
+                continue
+            if len(decoded.block_hashes) > max_event_hashes:
+                drops[DropReason.TOO_MANY_HASHES] += 1
+                continue
+        elif type(decoded) is BlockRemoved and len(decoded.block_hashes) > max_event_hashes:
+            drops[DropReason.TOO_MANY_HASHES] += 1
+            continue
+        out.append(decoded)
     return DecodedBatch(EventBatch(ts, tuple(out), dp, seq), len(events), drops)
 
 

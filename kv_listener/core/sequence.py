@@ -67,6 +67,7 @@ class SourceDropReason(enum.StrEnum):
     BAD_REPLAY_FRAME = "bad_replay_frame"  # replay reply in neither layout
     WINDOW_NOT_MAX = "window_not_max"  # TRT-LLM VSWA: event of a smaller attention window
     QUEUE_OVERFLOW = "queue_overflow"  # our bounded queue was full (a clear follows)
+    MESSAGE_TOO_LARGE = "message_too_large"  # payload above limits.max_message_bytes
     REPLAY_BACKLOG_OVERFLOW = "replay_backlog_overflow"  # live batches beyond the bound during a replay
 
 

@@ -29,6 +29,7 @@ Receiving never waits for downstream work: items go on the bounded queue with `p
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import deque
 from typing import Any
@@ -63,6 +64,8 @@ log = structlog.get_logger(__name__)
 ZAP_DOMAIN = b"continuum-kv-listener"
 _MAX_LOGGED_PEERS = 1024
 _BIND_RETRY_MAX_S = 30.0
+#: Payloads above this are decoded in a worker thread (about 2-5 ms of decoding in the loop).
+_THREAD_DECODE_BYTES = 64 << 10
 #: `_replay`'s upper bound when the whole buffer is wanted (start-up).
 _ALL_SEQS = 1 << 63
 
@@ -273,17 +276,32 @@ class ZmqSource:
         self.stats.batches_received += 1
         decision = self._seq.observe(seq)
         if decision.action is SeqAction.APPLY:
-            self._apply(seq, payload)
+            await self._apply(seq, payload)
         elif decision.action is SeqAction.RESTART:
             self._log.warning("zmq_engine_restart", expected=decision.expected, got=seq)
             self._feeder.put(SourceCleared(ClearReason.ENGINE_RESTART))
-            self._apply(seq, payload)
+            await self._apply(seq, payload)
         else:
             await self._fill_gap(sub, decision, payload)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        limits = self.config.limits
+        if len(payload) > limits.max_message_bytes:
+            # Dropped on receipt, like an undecodable batch. Not ZMQ_MAXMSGSIZE: libzmq then
+            # drops the connection, and a SUB that connected (zmq_mode: connect) was seen never
+            # to reconnect (pyzmq 27, libzmq 4.3): one hostile frame would stop the source.
+            self._drop(SourceDropReason.MESSAGE_TOO_LARGE.value)
+            self._log.warning("zmq_batch_too_large", seq=seq, bytes=len(payload),
+                              max_message_bytes=limits.max_message_bytes)
+            return
+        decode = functools.partial(decode_zmq_payload, self.config.engine, payload, seq,
+                                   max_event_tokens=limits.max_event_tokens,
+                                   max_event_hashes=limits.max_event_hashes)
         try:
-            decoded = decode_zmq_payload(self.config.engine, payload, seq)
+            # A large batch decodes in a worker thread, so the loop (other sources, the HTTP
+            # server) keeps running meanwhile; this source waits for it, keeping its order.
+            decoded = await asyncio.to_thread(decode) if len(payload) > _THREAD_DECODE_BYTES \
+                else decode()
         except DecodeError as exc:
             self._drop(exc.reason.value)
             self._log.warning("zmq_batch_undecodable", reason=exc.reason.value, seq=seq)
@@ -311,7 +329,7 @@ class ZmqSource:
         for seq, payload in replayed:
             if applied and seq != applied[-1] + 1:
                 break  # a hole: the rest cannot be applied in order
-            self._apply(seq, payload)
+            await self._apply(seq, payload)
             applied.append(seq)
         st = self.stats
         if not applied:
@@ -366,7 +384,7 @@ class ZmqSource:
             self.stats.replays += 1
             self._log.info("zmq_gap_replayed", expected=expected, got=decision.got)
         for seq, item in plan.batches:
-            self._apply(seq, item)
+            await self._apply(seq, item)
 
     async def _replay(
         self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket, start: int, got: int
