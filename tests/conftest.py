@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,3 +29,10 @@ def free_port() -> int:
 @pytest.fixture
 def unused_port() -> Iterator[int]:
     yield free_port()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """An HTTP client session for tests that talk to a real server."""
+    async with aiohttp.ClientSession() as s:
+        yield s

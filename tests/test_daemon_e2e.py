@@ -9,7 +9,6 @@ import hashlib
 import json
 import signal
 from array import array
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -77,12 +76,6 @@ def source(name: str, engine: str, zmq_port: int, **extra: Any) -> dict[str, Any
 
 def data(ev: Any) -> dict[str, Any]:
     return dict(json.loads(ev.data))
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_vllm_map_unsalted_chain_through_detokenize(tmp_path: Path,

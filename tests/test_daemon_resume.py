@@ -27,7 +27,6 @@ import random
 import signal
 import socket
 from array import array
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -248,12 +247,6 @@ async def read_resync(client: SseClient) -> tuple[Live, str]:
         snap[d["prefix_hash"]] = (d["token_count"], d["tier"])
         assert ev.event == ("cache_created" if d["tier"] == "gpu_hot" else "cache_offloaded")
     return snap, ev.id
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def settled(engine: SaltedEngine, pub: SimPublisher, client: SseClient) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +34,6 @@ pytestmark = pytest.mark.timeout(60)
 
 TOK = load_tokenizer(FIXTURES / "tokenizers" / "chatml")
 SECRET = "liveness-secret"
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def config(zport: int, http_port: int, tmp_path: Path, **extra: Any) -> dict[str, Any]:

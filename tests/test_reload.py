@@ -10,7 +10,6 @@ import hashlib
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +26,6 @@ from tests.support.daemon import Daemon, sse
 from tests.test_daemon_e2e import BLOCK, MODEL, block_hashes, source, stored
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def salted(i: int) -> BlockStored:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import json
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,6 @@ from tests.support.daemon import Daemon, sse
 from tests.test_daemon_e2e import BLOCK, MODEL, block_hashes, stored
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 def key_of(i: int) -> bytes:
