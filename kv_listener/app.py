@@ -47,6 +47,7 @@ from kv_listener.outputs.sse_server import RunningServer, create_app, serve, sou
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.resolver.detokenize import sibling_url
 from kv_listener.resolver.resolver import ChainResolver
+from kv_listener.sources.common import batch_tokens
 from kv_listener.sources.liveness import EngineWatch
 from kv_listener.sources.trtllm import TrtllmSource
 from kv_listener.sources.zmq import ZmqSource
@@ -58,6 +59,8 @@ log = get_logger("kv_listener.app")
 SOURCE_QUEUE_SIZE = 10000
 #: Queued engine batches applied before their transitions are published together.
 PUMP_BATCHES_PER_PUBLISH = 64
+#: ... or for at most this long, before the pump yields to the loop.
+PUMP_SLICE_S = 0.005
 #: How long a stopping daemon waits for streams to take their `draining` record.
 DRAIN_DEADLINE_S = 5.0
 #: Backoff of a crashed source task: doubles from the first value up to the second.
@@ -191,16 +194,23 @@ class SourceRuntime:
     async def _pump(self) -> None:
         while True:
             item = await self.queue.get()
-            transitions = self._apply(item)
+            started = time.perf_counter()
+            transitions = self._take(item)
             # Drain what is already queued, one publish per wake-up rather than per batch, but
-            # in bounded steps so one publish stays small next to consumers' max_lag.
+            # in bounded steps so one publish stays small next to consumers' max_lag, and so
+            # one busy source holds the loop (other sources, the HTTP server) a few ms at most.
             n = 1
-            while not self.queue.empty() and n < PUMP_BATCHES_PER_PUBLISH:
-                transitions.extend(self._apply(self.queue.get_nowait()))
+            while not self.queue.empty() and n < PUMP_BATCHES_PER_PUBLISH and \
+                    time.perf_counter() - started < PUMP_SLICE_S:
+                transitions.extend(self._take(self.queue.get_nowait()))
                 n += 1
             self.stats.queue_depth = self.queue.qsize()
             self._publish(transitions)
             await asyncio.sleep(0)  # let the streams write and the source receive in between
+
+    def _take(self, item: SourceItem) -> list[PrefixTransition]:
+        self.stats.queued_tokens -= batch_tokens(item)
+        return self._apply(item)
 
     def _apply(self, item: SourceItem) -> list[PrefixTransition]:
         try:

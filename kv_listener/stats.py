@@ -40,3 +40,4 @@ class SourceStats:
     engine_state: str = "unknown"  # core.liveness.EngineState value ("off": not watched)
     engine_downs: int = 0  # times the engine was declared down (a clear each)
     queue_depth: int = 0
+    queued_tokens: int = 0  # token IDs held by the batches in the source's queue

@@ -746,3 +746,25 @@ async def test_an_open_circuit_holds_requests_until_the_endpoint_is_back() -> No
     assert (out.head, out.status) == (3, ResolveStatus.RESOLVED)
     assert len(server.requests) == 3  # two failures, then the one trial that succeeded
     assert resolver.counters["circuit_waits"] >= 1
+
+
+async def test_queued_requests_hold_a_bounded_number_of_tokens() -> None:
+    # A flood of chains whose /detokenize never answers: the requests waiting hold at most
+    # max_backlog_tokens tokens, each at most max_decode_tokens (+1) of them (issue #11).
+    gate = Gate()  # never opened: no answer ever comes
+    outcomes: list[ResolveOutcome] = []
+    resolver = ChainResolver(detokenizer=gate, parser=chatml_parser(), on_outcome=outcomes.append,
+                             max_concurrency=1, max_decode_tokens=100, max_backlog_tokens=1000)
+    long_chain = array("I", list(SYSTEM_CHAT) * 200)  # thousands of tokens
+    try:
+        for head in range(1, 31):
+            resolver.submit(ResolveRequest(head, "m", long_chain))
+        await gate.wait_active(1)
+        await asyncio.sleep(0)  # the backlog_full answers are delivered by call_soon
+        held = resolver.held_tokens
+        queued = resolver.in_flight
+    finally:
+        await resolver.close()
+    assert held <= 1000 and queued == 1000 // 101
+    assert {o.reason for o in outcomes} == {BACKLOG_FULL}
+    assert len(outcomes) == 30 - queued

@@ -24,6 +24,7 @@ from kv_listener.core.model import (
 )
 from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
+from kv_listener.sources.common import QueueFeeder, batch_tokens
 from kv_listener.sources.zmq import ZmqSource
 from kv_listener.stats import SourceStats
 from tests.support.queues import get, get_batch
@@ -514,3 +515,28 @@ async def test_ipv6_loopback_bind_and_allow_list() -> None:
             pub.publish(payload(8))
             assert hashes(await get_batch(queue)) == [8]
     assert stats.refused_publishers == 0
+
+
+def test_the_queue_is_bounded_in_token_ids_too() -> None:
+    # Few batches can hold many tokens: the queue refuses a batch once the queued ones hold
+    # max_tokens token IDs, and the loss is announced by an overflow clear (issue #11).
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="vllm")
+    feeder = QueueFeeder(queue, stats, "vllm-1", max_tokens=100)
+
+    def batch(n: int) -> EventBatch:
+        ev = BlockStored(block_hashes=(n,), parent_hash=None, token_ids=array("I", [1] * n),
+                         block_size=n)
+        return EventBatch(ts=0.0, events=(ev,))
+
+    assert feeder.put(batch(60)) and stats.queued_tokens == 60
+    assert not feeder.put(batch(50))  # would hold 110 tokens
+    assert stats.events_dropped == {"queue_overflow": 1}
+    taken = queue.get_nowait()
+    stats.queued_tokens -= batch_tokens(taken)  # what the daemon's pump does
+    assert feeder.put(batch(50))
+    assert queue.get_nowait() == SourceCleared(ClearReason.OVERFLOW)
+    last = queue.get_nowait()
+    assert batch_tokens(last) == 50
+    stats.queued_tokens -= batch_tokens(last)
+    assert feeder.put(batch(200))  # alone in the queue, any size is taken (the caps bound it)

@@ -91,6 +91,7 @@ def source_stats_entry(
         "blocks_tracked": blocks_tracked,
         "tokens_retained": tokens_retained,
         "prefixes_live": prefixes_live,
+        "queued_tokens": stats.queued_tokens,
         "detokenize_calls": stats.detokenize_calls,
         "tokenize_calls": stats.tokenize_calls,
         "detokenize_errors": stats.detokenize_errors.total(),

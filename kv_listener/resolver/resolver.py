@@ -9,8 +9,9 @@ resolver worker task (never from inside `submit`), so the caller never sees re-e
 To feed a tracker owned by another task, pass `queue.put_nowait` of an `asyncio.Queue` that the
 owning task drains. After `close()` no outcome is delivered.
 
-Bounds: at most `max_concurrency` decodes run at once; at most `max_backlog` requests wait; at
-most the first `max_decode_tokens` tokens of a chain are decoded. A head already queued or
+Bounds: at most `max_concurrency` decodes run at once; at most `max_backlog` requests, holding
+at most `max_backlog_tokens` tokens, wait or run; at most the first `max_decode_tokens` tokens
+of a chain are decoded (and kept in a queued request). A head already queued or
 running is not queued again (one call per distinct chain head). When
 the backlog is full a request is answered at once with `FAILED` / `backlog_full` (the tracker
 keeps the chain pending and asks again when it grows): ingestion never waits for us.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from array import array
 from collections import Counter
@@ -78,6 +80,10 @@ BEYOND_DECODE_LIMIT = "beyond_decode_limit"
 #: 1024 content bytes many times over (a token decodes to at least one byte), and keeps a vLLM
 #: event that stores a whole 16k-token prompt at once from costing a 16k-token decode.
 DEFAULT_MAX_DECODE_TOKENS = 4096
+#: Tokens that queued and running requests may hold together (4 bytes each: 16 MiB). Beyond it
+#: a request is answered `backlog_full` at once: a flood of chains whose `/detokenize` never
+#: answers grew the listener by 246 MiB before this bound (issue #11).
+DEFAULT_MAX_BACKLOG_TOKENS = 1 << 22
 #: At most one `/tokenizer_info` request per this many seconds while the engine is unreachable:
 #: an engine loading a large model takes minutes; asking more often only adds log lines.
 DEFAULT_TEMPLATE_RETRY_S = 30.0
@@ -141,6 +147,7 @@ class ChainResolver:
         max_concurrency: int = 4,
         max_backlog: int = 10000,
         max_decode_tokens: int = DEFAULT_MAX_DECODE_TOKENS,
+        max_backlog_tokens: int = DEFAULT_MAX_BACKLOG_TOKENS,
         name: str = "source",
         local_tokenizer: Any = None,
         template_retry: TemplateRetry | None = None,
@@ -157,6 +164,7 @@ class ChainResolver:
         self.max_concurrency = max_concurrency
         self.max_backlog = max_backlog
         self.max_decode_tokens = max_decode_tokens
+        self.max_backlog_tokens = max_backlog_tokens
         self.circuit_wait_s = circuit_wait_s
         self.name = name
         self._on_outcome = on_outcome
@@ -164,7 +172,8 @@ class ChainResolver:
         #: used to find `key_tokens`, the shortest token prefix that already decides the key.
         self._local = local_tokenizer
         self._queue: asyncio.Queue[ResolveRequest] = asyncio.Queue()
-        self._heads: set[int] = set()  # queued or running
+        self._heads: dict[int, int] = {}  # queued or running -> its tokens
+        self._held_tokens = 0  # tokens of the requests queued or running
         self._workers: list[asyncio.Task[None]] = []
         self._idle = asyncio.Event()
         self._idle.set()
@@ -264,6 +273,11 @@ class ChainResolver:
         return len(self._heads)
 
     @property
+    def held_tokens(self) -> int:
+        """Tokens held by the requests queued or running (at most `max_backlog_tokens`)."""
+        return self._held_tokens
+
+    @property
     def template_pending(self) -> bool:
         """Is the engine's template still to be learned (retries continue)?"""
         return self._template_retry is not None
@@ -276,13 +290,20 @@ class ChainResolver:
         if req.head in self._heads:
             self.counters["deduplicated"] += 1
             return
-        if len(self._heads) >= self.max_backlog + self.max_concurrency:
+        if len(req.tokens) > self.max_decode_tokens + 1:
+            # Only the first max_decode_tokens are ever decoded (one more keeps it "capped"): a
+            # queued request holds no more than that (a 16k-token chain would hold 64 KiB).
+            req = dataclasses.replace(req, tokens=req.tokens[: self.max_decode_tokens + 1])
+        n = len(req.tokens)
+        if len(self._heads) >= self.max_backlog + self.max_concurrency or \
+                (self._heads and self._held_tokens + n > self.max_backlog_tokens):
             self.counters[BACKLOG_FULL] += 1
             outcome = ResolveOutcome(req.head, ResolveStatus.FAILED, reason=BACKLOG_FULL)
             asyncio.get_running_loop().call_soon(self._deliver, outcome)
             return
         self._start_workers()
-        self._heads.add(req.head)
+        self._heads[req.head] = n
+        self._held_tokens += n
         self._idle.clear()
         self._queue.put_nowait(req)
 
@@ -305,6 +326,7 @@ class ChainResolver:
         self._workers.clear()
         self._template_task = None
         self._heads.clear()
+        self._held_tokens = 0
         self._idle.set()
         await self.detokenizer.close()
 
@@ -326,7 +348,7 @@ class ChainResolver:
             except Exception as exc:  # a bug must not kill the worker
                 log.error("resolver_internal_error", backend=self.name, error=type(exc).__name__)
                 outcome = ResolveOutcome(req.head, ResolveStatus.FAILED, reason=INTERNAL_ERROR)
-            self._heads.discard(req.head)
+            self._held_tokens -= self._heads.pop(req.head, 0)
             if not self._heads:
                 self._idle.set()
             self._deliver(outcome)

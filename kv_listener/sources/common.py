@@ -1,8 +1,10 @@
 """What both sources share: the non-blocking queue feeder and the publisher allow-list.
 
 `QueueFeeder` is the only way a source puts items on its bounded queue: it never waits for the
-consumer (`put_nowait`); when the queue is full the item is dropped and counted, and once there is
-room again a `SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent.
+consumer (`put_nowait`); when the queue is full (in batches, or in the token IDs its batches hold:
+`MAX_QUEUED_TOKENS`, counted in `stats.queued_tokens`, which the consumer lowers with
+`batch_tokens` as it takes them) the item is dropped and counted, and once there is room again a
+`SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent.
 
 `PublisherAllowList` answers "may this peer address publish to this source?" for the entries of
 `allowed_publishers`: IP addresses, CIDR networks, and host names (resolved with the event loop's
@@ -19,11 +21,23 @@ from collections.abc import Iterable
 
 import structlog
 
-from kv_listener.core.model import ClearReason, EventBatch, SourceCleared, SourceItem
+from kv_listener.core.model import BlockStored, ClearReason, EventBatch, SourceCleared, SourceItem
 from kv_listener.core.sequence import SourceDropReason
 from kv_listener.stats import SourceStats
 
 log = structlog.get_logger(__name__)
+
+#: Token IDs that the batches waiting in one source's queue may hold together (4 bytes each:
+#: 16 MiB), whatever the number of batches.
+MAX_QUEUED_TOKENS = 1 << 22
+
+
+def batch_tokens(item: SourceItem) -> int:
+    """Token IDs held by a queue item (what `stats.queued_tokens` counts)."""
+    if not isinstance(item, EventBatch):
+        return 0
+    return sum(len(ev.token_ids) for ev in item.events if type(ev) is BlockStored)
+
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -32,12 +46,14 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 class QueueFeeder:
     """Puts a source's items on its bounded queue without ever blocking (see module doc)."""
 
-    __slots__ = ("_backend", "_overflowed", "_queue", "_stats")
+    __slots__ = ("_backend", "_max_tokens", "_overflowed", "_queue", "_stats")
 
-    def __init__(self, queue: asyncio.Queue[SourceItem], stats: SourceStats, backend: str) -> None:
+    def __init__(self, queue: asyncio.Queue[SourceItem], stats: SourceStats, backend: str,
+                 max_tokens: int = MAX_QUEUED_TOKENS) -> None:
         self._queue = queue
         self._stats = stats
         self._backend = backend
+        self._max_tokens = max_tokens
         self._overflowed = False
 
     @property
@@ -56,13 +72,18 @@ class QueueFeeder:
             self._overflowed = False
             self._stats.clears[ClearReason.OVERFLOW.value] += 1
             log.warning("source_overflow_cleared", backend=self._backend)
+        n = batch_tokens(item)
         try:
+            if n and self._stats.queued_tokens and self._stats.queued_tokens + n > self._max_tokens:
+                raise asyncio.QueueFull
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
             self._overflowed = True
-            log.warning("source_queue_full", backend=self._backend, maxsize=self._queue.maxsize)
+            log.warning("source_queue_full", backend=self._backend, maxsize=self._queue.maxsize,
+                        queued_tokens=self._stats.queued_tokens)
             self._drop(item)
             return False
+        self._stats.queued_tokens += n
         if isinstance(item, SourceCleared):
             self._stats.clears[item.reason.value] += 1
         self._stats.queue_depth = self._queue.qsize()
