@@ -61,6 +61,8 @@ SOURCE_QUEUE_SIZE = 10000
 PUMP_BATCHES_PER_PUBLISH = 64
 #: ... or for at most this long, before the pump yields to the loop.
 PUMP_SLICE_S = 0.005
+#: How often chains whose detokenize failed are asked again.
+RETRY_FAILED_S = 5.0
 #: How long a stopping daemon waits for streams to take their `draining` record.
 DRAIN_DEADLINE_S = 5.0
 #: Backoff of a crashed source task: doubles from the first value up to the second.
@@ -147,6 +149,9 @@ class SourceRuntime:
         if self.watch is not None:
             self._tasks.append(asyncio.create_task(self.watch.run(),
                                                    name=f"liveness:{self.cfg.backend_name}"))
+        if self.resolver is not None:
+            self._tasks.append(asyncio.create_task(self._retry_failed(),
+                                                   name=f"retry:{self.cfg.backend_name}"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -226,6 +231,15 @@ class SourceRuntime:
         except Exception as exc:  # a tracker bug must not stop ingestion: clear and go on
             self.log.error("tracker_error", error=type(exc).__name__, detail=str(exc))
             return self.tracker.apply(SourceCleared(ClearReason.SOURCE_RESTART))
+
+    async def _retry_failed(self) -> None:
+        """Chains whose detokenize failed (endpoint down, circuit open, backlog full) are asked
+        again every `RETRY_FAILED_S`, so they resolve once the endpoint is back even if their
+        engine stores nothing more; the resolver's breaker bounds the rate of real calls."""
+        while True:
+            await asyncio.sleep(RETRY_FAILED_S)  # a designed period: nothing to await instead
+            if self.tracker.retry_failed():
+                self._publish([])
 
     def _on_outcome(self, outcome: ResolveOutcome) -> None:
         try:

@@ -28,6 +28,7 @@ from kv_listener.sim.publisher import SimPublisher
 from kv_listener.sim.trtllm_server import SimTrtllmServer
 from tests.conftest import FIXTURES, free_port
 from tests.support.daemon import Daemon, sse
+from tests.support.detokenize_server import DetokenizeServer as ScriptedServer
 from tests.test_daemon_e2e import MODEL, SYSTEM, USER, block_hashes, chat_tokens, spec_hash, stored
 
 pytestmark = pytest.mark.timeout(60)
@@ -194,3 +195,30 @@ async def test_a_trtllm_engine_whose_polls_fail_is_declared_down(
             await daemon.wait_log("engine_up", backend="vllm-1")
     finally:
         await running.close()
+
+
+async def test_a_chain_whose_detokenize_failed_resolves_once_the_endpoint_is_back(
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
+    # issue #11, finding 1: pending chains resolve once /detokenize returns, even when the
+    # engine stores nothing more (the daemon asks failed chains again every few seconds).
+    zport = free_port()
+    server = await ScriptedServer(TOK).start()
+    server.script = [500, 500, 500]  # the first call and its two retries fail
+    cfg = {"listen": f"127.0.0.1:{free_port()}", "update_interval": "50ms",
+           "sources": [{"backend_name": "vllm-1", "engine": "vllm", "model": MODEL,
+                        "zmq_endpoint": f"tcp://127.0.0.1:{zport}",
+                        "detokenize_endpoint": server.url}]}
+    try:
+        async with Daemon(cfg, tmp_path) as daemon, \
+                SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub, \
+                sse(session, f"{daemon.base}/events/vllm-1") as client:
+            await client.next()
+            await pub.wait_for_subscriber()
+            tokens = chat_tokens(SYSTEM, USER)
+            pub.publish(encode_vllm_batch([stored(tokens, block_hashes(tokens))], ts=1.0))
+            await daemon.wait_log("detokenize_failed", backend="vllm-1")
+            created = await client.until(lambda e: e.event == "cache_created", timeout_s=30)
+            assert json.loads(created.data)["prefix_hash"] == spec_hash(MODEL, system=SYSTEM)
+            assert len(server.requests) >= 4  # the failed call (3 attempts), then the retry
+    finally:
+        await server.close()

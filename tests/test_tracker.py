@@ -261,6 +261,22 @@ def test_a_failed_probe_is_not_asked_again_until_its_chain_grows() -> None:
     assert len(again) == 1
 
 
+def test_failed_chains_are_asked_again_by_retry_failed_only() -> None:
+    t = make()
+    e = PrefixCache(t)
+    e.store(chat(SYSTEM, [100, 101, 102]))
+    req = t.take_resolve_requests()
+    assert len(req) == 1
+    t.on_resolved(ResolveOutcome(req[0].head, ResolveStatus.FAILED, reason="connect_error"))
+    assert t.take_resolve_requests() == []  # not at once: the resolver just failed
+    assert t.retry_failed() == 1
+    again = t.take_resolve_requests()
+    assert [r.head for r in again] == [req[0].head]
+    o, kt = answer(again[0])
+    assert kinds(t.on_resolved(o, key_tokens=kt)) == [("created", 28)]
+    assert t.retry_failed() == 0  # resolved: nothing to retry
+
+
 def test_branch_with_another_system_prompt_gets_its_own_key() -> None:
     t = make()
     e = PrefixCache(t)

@@ -328,6 +328,7 @@ class Tracker:
     _keys: dict[bytes, _Key]  # interned keys with attributed blocks (or touched this batch)
     _touched: dict[_Key, tuple[bool, int, Tier]]  # key -> (live, token_count, tier) before
     _want: list[_Chain]  # chains to ask for at the next take_resolve_requests
+    _failed: list[_Chain]  # chains whose last answer was FAILED (retry_failed asks again)
     _inflight: dict[int, _Ask]  # request head -> request (kept across clears)
     _n_pending: int
     _group: int | None  # the KV-cache group tracked (None: not locked yet)
@@ -403,6 +404,19 @@ class Tracker:
                 ch.inflight = None
                 ch.probing = False
                 self._want_request(ch)
+
+    def retry_failed(self) -> int:
+        """Ask again for the chains whose last answer was FAILED (the resolver was down or
+        overloaded) and that did not grow since: call it now and then (the daemon does every
+        few seconds), so that pending chains resolve once `/detokenize` is back, not only when
+        their engine stores more blocks. Returns how many were queued."""
+        failed, self._failed = self._failed, []
+        n = 0
+        for ch in failed:
+            if ch.status == _PENDING and ch.last == _LAST_FAILED and not ch.busy():
+                self._want_request(ch)
+                n += 1
+        return n
 
     def stats(self) -> dict[str, int]:
         """Gauges and counters for /stats and metrics (plain ints)."""
@@ -547,6 +561,12 @@ class Tracker:
             else:
                 self.resolve_failed += 1
                 ch.last = _LAST_FAILED
+                failed = self._failed
+                failed.append(ch)
+                if len(failed) > 1024 and len(failed) > 2 * self._n_pending:
+                    # Nobody calls retry_failed: keep only chains still waiting, once each.
+                    self._failed = list({id(w): w for w in failed
+                                         if w.status == _PENDING and w.last == _LAST_FAILED}.values())
             self._release_waiters(ch, ask=status is ResolveStatus.PENDING)
             self._after_answer(ch)
         # A resolved chain keeps a copy of root..d, which may include ancestors' tokens.
@@ -573,6 +593,7 @@ class Tracker:
         self._keys = {}
         self._touched = {}
         self._want = []
+        self._failed = []
         for ask in self._inflight.values():
             ask.chain = None  # answers may still come: they are stale
         self._n_pending = 0
