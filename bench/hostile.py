@@ -15,13 +15,14 @@ Printed: the daemon's RSS (VmRSS) and peak RSS (VmHWM) after each phase, the bas
 per-source bound the man page states (max_tracked_blocks x 250 B + max_retained_tokens x 4 B +
 32 MiB + one max_message_bytes batch). Not a test: figures, measured in one run.
 
-Run: python -m bench.hostile   (from the project root)
+Run: python bench/hostile.py
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import tempfile
 from array import array
 from pathlib import Path
@@ -30,6 +31,8 @@ from typing import Any
 import aiohttp
 import msgpack
 from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kv_listener.core.model import BlockStored
 from kv_listener.sim.encode import encode_vllm_batch
