@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import re
@@ -71,6 +70,7 @@ from kv_listener.demo import (
     Totals,
     free_ports,
     listener_config,
+    run_unless_stopped,
     summary_line,
 )
 from kv_listener.logging import configure_logging
@@ -126,47 +126,12 @@ def soak_prompts(n: int) -> tuple[SystemPrompt, ...]:
 class RouterProcess(ListenerProcess):
     """`python -m kv_listener router --config PATH` as a child: the demo's `ListenerProcess` (its
     `stop()` with the Ctrl-C grace, `last_error()`, warning count and log tail) with the router's
-    command and log events (`router_started`, `router_stopping`)."""
+    command and log events."""
 
-    async def start(self, timeout_s: float) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kv_listener", "router", "--config", str(self.config_path),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE, limit=1 << 20)
-        self._reader = asyncio.create_task(self._read_log(), name="router-log")
-        started = asyncio.create_task(self.started.wait())
-        try:
-            await asyncio.wait({started, self._reader}, timeout=timeout_s,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            started.cancel()
-        if not self.started.is_set():
-            why = "exited" if self._reader.done() else f"did not start within {timeout_s:g} s"
-            raise DemoError(f"the router {why}: {self.last_error()}")
-
-    async def _read_log(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        while True:
-            try:
-                raw = await self.proc.stderr.readline()
-            except ValueError:  # a line over the reader's limit: skip it
-                continue
-            if not raw:
-                return
-            line = raw.decode("utf-8", "replace")
-            self.tail.append(line)
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if not isinstance(rec, dict):
-                continue
-            if rec.get("event") == "router_started":
-                self.started.set()
-            elif rec.get("event") == "router_stopping":
-                self.stopping.set()
-            elif rec.get("level") in ("warning", "error", "critical"):
-                self.warnings += 1
+    ROLE = "router"
+    COMMAND = ("router",)
+    STARTED_EVENT = "router_started"
+    STOPPING_EVENT = "router_stopping"
 
 
 def router_config(admin_port: int, listener_port: int, names: list[str],
@@ -478,18 +443,7 @@ class Soak:
 
     async def _until_stopped(self, coro: Any) -> bool:
         """Run `coro` unless a signal comes first: then it is cancelled and False."""
-        work = asyncio.ensure_future(coro)
-        stopped = asyncio.create_task(self.stop.wait())
-        try:
-            await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            return False
-        work.result()  # raises what failed
-        return True
+        return await run_unless_stopped(coro, self.stop)
 
     async def soak(self) -> str | None:
         """The traffic with a sample every interval; a failure, or None."""

@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -239,10 +239,33 @@ class LiveView:
 # --- the listener child process ----------------------------------------------------------------
 
 
+async def run_unless_stopped(coro: Coroutine[Any, Any, Any], stop: asyncio.Event) -> bool:
+    """Run `coro` unless `stop` is set first: then it is cancelled and the answer is False.
+    What `coro` raised is raised."""
+    work = asyncio.ensure_future(coro)
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        return False
+    work.result()
+    return True
+
+
 class ListenerProcess:
     """`python -m kv_listener --config PATH` as a child: its JSON log is read line by line
     (`listener_started` tells its readiness; warnings are counted; the tail is kept for an
-    error report)."""
+    error report). A subclass runs another of the package's processes by changing `ROLE`,
+    `COMMAND` and the two log events (bench/soak.py runs the router so)."""
+
+    ROLE = "listener"
+    COMMAND: tuple[str, ...] = ()  # between `-m kv_listener` and `--config PATH`
+    STARTED_EVENT = "listener_started"
+    STOPPING_EVENT = "listener_stopping"
 
     def __init__(self, config_path: Path) -> None:
         self.config_path = config_path
@@ -262,10 +285,10 @@ class ListenerProcess:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    TOKENIZERS_PARALLELISM="false")
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "kv_listener", "--config", str(self.config_path),
+            sys.executable, "-m", "kv_listener", *self.COMMAND, "--config", str(self.config_path),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE, env=env, limit=1 << 20)
-        self._reader = asyncio.create_task(self._read_log(), name="listener-log")
+        self._reader = asyncio.create_task(self._read_log(), name=f"{self.ROLE}-log")
         started = asyncio.create_task(self.started.wait())
         try:
             done, _ = await asyncio.wait({started, self._reader}, timeout=timeout_s,
@@ -274,7 +297,7 @@ class ListenerProcess:
             started.cancel()
         if not self.started.is_set():
             why = "exited" if self._reader in done else f"did not start within {timeout_s:g} s"
-            raise DemoError(f"the listener {why}: {self.last_error()}")
+            raise DemoError(f"the {self.ROLE} {why}: {self.last_error()}")
 
     def last_error(self) -> str:
         for line in reversed(self.tail):
@@ -305,9 +328,9 @@ class ListenerProcess:
                 continue
             if not isinstance(rec, dict):
                 continue
-            if rec.get("event") == "listener_started":
+            if rec.get("event") == self.STARTED_EVENT:
                 self.started.set()
-            elif rec.get("event") == "listener_stopping":
+            elif rec.get("event") == self.STOPPING_EVENT:
                 self.stopping.set()
             elif rec.get("level") in ("warning", "error", "critical"):
                 self.warnings += 1
@@ -612,18 +635,7 @@ class Demo:
     async def _setup_or_stop(self, tmp: Path) -> bool:
         """Set up, unless a signal comes first (Ctrl-C while the listener starts): then False,
         and whatever was started is stopped by `teardown`."""
-        setup = asyncio.create_task(self.setup(tmp), name="demo-setup")
-        stopped = asyncio.create_task(self.stop.wait())
-        try:
-            await asyncio.wait({setup, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-        if not setup.done():
-            setup.cancel()
-            await asyncio.gather(setup, return_exceptions=True)
-            return False
-        setup.result()  # raises what failed
-        return True
+        return await run_unless_stopped(self.setup(tmp), self.stop)
 
     async def _run_traffic(self, view: LiveView | None) -> str | None:
         self._started_at = time.monotonic()
