@@ -29,7 +29,6 @@ Receiving never waits for downstream work: items go on the bounded queue with `p
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections import deque
 from typing import Any
@@ -144,6 +143,7 @@ class ZmqSource:
         self._queue = queue
         self._feeder = QueueFeeder(queue, stats, config.backend_name)
         self._seq = SequenceTracker()
+        self._new_stream = False  # set by expect_new_stream, applied at the next live batch
         self._replay_timeout_s = replay_timeout_s
         self._max_backlog = max_replay_backlog
         self._rcvhwm = rcvhwm
@@ -234,10 +234,11 @@ class ZmqSource:
         """The engine was declared down and the source cleared: whatever comes next starts
         afresh. With a replay endpoint the next batch is expected at seq 0, so a stream that goes
         on above it (the same engine, back from a network cut) is rebuilt from the engine's
-        replay buffer; without one the next batch is applied as it is."""
-        self._seq.reset()
-        if self.config.replay_endpoint is not None:
-            self._seq.expect(0)
+        replay buffer; without one the next batch is applied as it is.
+
+        Called from outside the source's task: taken into account at the next live batch, so a
+        gap being filled meanwhile finishes against the sequence state it started from."""
+        self._new_stream = True
 
     def _new_dealer(self) -> zmq.asyncio.Socket:
         assert self._ctx is not None and self.config.replay_endpoint is not None
@@ -274,6 +275,11 @@ class ZmqSource:
             self._log.warning("zmq_bad_message", reason=exc.reason.value, detail=str(exc))
             return
         self.stats.batches_received += 1
+        if self._new_stream:
+            self._new_stream = False
+            self._seq.reset()
+            if self.config.replay_endpoint is not None:
+                self._seq.expect(0)
         decision = self._seq.observe(seq)
         if decision.action is SeqAction.APPLY:
             await self._apply(seq, payload)
@@ -294,14 +300,19 @@ class ZmqSource:
             self._log.warning("zmq_batch_too_large", seq=seq, bytes=len(payload),
                               max_message_bytes=limits.max_message_bytes)
             return
-        decode = functools.partial(decode_zmq_payload, self.config.engine, payload, seq,
-                                   max_event_tokens=limits.max_event_tokens,
-                                   max_event_hashes=limits.max_event_hashes)
+        engine = self.config.engine
         try:
-            # A large batch decodes in a worker thread, so the loop (other sources, the HTTP
-            # server) keeps running meanwhile; this source waits for it, keeping its order.
-            decoded = await asyncio.to_thread(decode) if len(payload) > _THREAD_DECODE_BYTES \
-                else decode()
+            if len(payload) > _THREAD_DECODE_BYTES:
+                # In a worker thread, so the loop (other sources, the HTTP server) keeps running
+                # meanwhile; this source waits for it, keeping its order.
+                decoded = await asyncio.to_thread(
+                    decode_zmq_payload, engine, payload, seq,
+                    max_event_tokens=limits.max_event_tokens,
+                    max_event_hashes=limits.max_event_hashes)
+            else:
+                decoded = decode_zmq_payload(engine, payload, seq,
+                                             max_event_tokens=limits.max_event_tokens,
+                                             max_event_hashes=limits.max_event_hashes)
         except DecodeError as exc:
             self._drop(exc.reason.value)
             self._log.warning("zmq_batch_undecodable", reason=exc.reason.value, seq=seq)
