@@ -300,7 +300,7 @@ def _even_split(total: int, n: int) -> list[int]:
     return [q] * (n - 1) + [q + r]
 
 
-def _common_prefix(a: array[int], b: array[int]) -> int:
+def common_prefix_len(a: array[int], b: array[int]) -> int:
     """Length of the common prefix of two token arrays (slice compares run in C)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -1111,7 +1111,7 @@ class Tracker:
         if span <= 0:
             self._ask_alone(w)
             return None
-        common = _common_prefix(ref[c0 : c0 + span], toks)
+        common = common_prefix_len(ref[c0 : c0 + span], toks)
         if common == d - c0:
             return d
         if common < len(toks) and common < span and w.inflight is None:

@@ -43,6 +43,7 @@ import structlog
 from kv_listener.config import SourceConfig
 from kv_listener.core.model import Engine, ResolveOutcome, ResolveRequest, ResolveStatus
 from kv_listener.core.prefix import DEFAULT_MAX_PREFIX_LENGTH, prefix_key
+from kv_listener.core.tracker import common_prefix_len
 from kv_listener.resolver.detokenize import (
     DetokenizeError,
     DetokenizeErrorReason,
@@ -434,14 +435,12 @@ class ChainResolver:
                                    "at; a tail eviction can evict a key whose deciding blocks "
                                    "are still cached")
             return None
-        n = len(ids)
-        if 0 < n <= len(tokens) and tokens[:n] == array("I", ids):
+        got = array("I", ids)
+        n = len(got)
+        common = common_prefix_len(tokens, got)
+        if 0 < n == common:
             self.counters["key_tokens:tokenized"] += 1
             return n
-        common = 0
-        limit = min(n, len(tokens))
-        while common < limit and tokens[common] == ids[common]:
-            common += 1
         for m in range(common + 1, min(common + 1 + _DECIDING_PROBES, len(tokens) + 1)):
             if self.stats is not None:
                 self.stats.detokenize_calls += 1
