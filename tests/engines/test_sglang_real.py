@@ -473,7 +473,12 @@ async def test_replay_rebuilds_a_listener_started_late(driver: SglangDriver, tmp
         try:
             state = await r.converge()
         except AssertionError as exc:
+            seen = [{k: v for k, v in rec.items() if k in ("event", "status", "batches", "from_seq",
+                                                           "last_seq", "expected", "got", "outcome",
+                                                           "received", "start", "reason")}
+                    for rec in r.daemon.read_logs() if "zmq" in str(rec.get("event"))]
             raise AssertionError(
                 f"SGLang sent {before} batches before the listener started; its replay buffer "
-                f"holds them all, but the listener did not rebuild from it: {exc}") from None
+                f"holds them all, but the listener did not rebuild from it: {exc}; "
+                f"the listener's ZMQ log: {seen}") from None
         assert request_hash(convo(SYSTEM_A, USER_1)) in state

@@ -83,6 +83,18 @@ class Daemon:
                     line["_seen"] = True
                     return line
 
+    def read_logs(self) -> list[dict[str, Any]]:
+        """Every log line the daemon wrote so far (those already read are in `logs`)."""
+        while True:
+            try:
+                line = self._lines.get_nowait()
+            except asyncio.QueueEmpty:
+                return self.logs
+            if line is None:  # the process ended: keep the marker for wait_log
+                self._lines.put_nowait(None)
+                return self.logs
+            self.logs.append(line)
+
     def signal(self, sig: signal.Signals) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)
