@@ -55,6 +55,11 @@ _SOURCE_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "Connections refused because the peer is not an allowed publisher.",
         "refused_publishers",
     ),
+    (
+        "zmq_disconnects",
+        "ZMQ connections to the engine lost (engine gone, or a frame over the socket's size cap).",
+        "zmq_disconnects",
+    ),
     ("detokenize_calls", "Calls to /detokenize or the local tokenizer.", "detokenize_calls"),
     ("salt_rejected", "Chains discarded because their cache salt failed verification.", "salt_rejected"),
     ("source_restarts", "Times a crashed source task was restarted.", "source_restarts"),

@@ -23,6 +23,9 @@ class SourceStats:
     replay_failures: int = 0
     clears: Counter[str] = field(default_factory=Counter)  # ClearReason -> n
     refused_publishers: int = 0
+    #: ZMQ connections lost (libzmq's EVENT_DISCONNECTED: an engine gone, or a frame over
+    #: ZMQ_MAXMSGSIZE refused); a connecting source connects again itself.
+    zmq_disconnects: int = 0
     poll_errors: Counter[str] = field(default_factory=Counter)  # trtllm: reason -> n
     last_event_at: float | None = None  # wall clock of the last decoded batch
     ready: bool = False  # socket bound/connected, or last poll ok

@@ -383,13 +383,57 @@ async def test_a_message_over_max_message_bytes_is_dropped_and_counted() -> None
             await pub.wait_for_subscriber()
             pub.publish(payload(1))  # seq 0
             big = BlockStored(block_hashes=(2,), parent_hash=None,
-                              token_ids=array("I", [70000] * 4000), block_size=4000, medium="GPU")
-            pub.publish(encode_vllm_batch([big], ts=1.0))  # seq 1: about 20 KB
+                              token_ids=array("I", [70000] * 1200), block_size=1200, medium="GPU")
+            big_payload = encode_vllm_batch([big], ts=1.0)
+            assert 4096 < len(big_payload) < 2 * 4096  # under the socket's cap
+            pub.publish(big_payload)  # seq 1
             pub.publish(payload(3))  # seq 2
             got = [await get_batch(queue), await get_batch(queue)]
     assert [(b.seq, hashes(b)) for b in got] == [(0, [1]), (2, [3])]
     assert stats.events_dropped == {"message_too_large": 1}
     assert stats.gaps == 0
+
+
+@pytest.mark.parametrize("mode", ["connect", "bind"])
+async def test_a_frame_over_the_socket_cap_costs_the_connection_not_the_source(mode: str) -> None:
+    # issue #11, finding 3: ZMQ_MAXMSGSIZE (twice max_message_bytes) keeps libzmq from reading a
+    # giant frame whole; it drops the connection instead, and libzmq never reconnects a
+    # connecting SUB after that (a protocol error): the source must connect again itself.
+    limits = Limits(max_message_bytes=4096)
+    big = BlockStored(block_hashes=(2,), parent_hash=None,
+                      token_ids=array("I", [70000] * 4000), block_size=4000, medium="GPU")
+    big_payload = encode_vllm_batch([big], ts=1.0)
+    assert len(big_payload) > 2 * limits.max_message_bytes
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="vllm")
+    if mode == "connect":
+        pub = SimPublisher("tcp://127.0.0.1:0", mode="bind")
+        await pub.start()
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect", limits=limits),
+                           queue, stats)
+    else:
+        source = ZmqSource(config(limits=limits), queue, stats)
+    try:
+        async with running(source):
+            if mode == "bind":
+                assert source.endpoint is not None
+                pub = SimPublisher(source.endpoint, mode="connect")
+                await pub.start()
+            await pub.wait_for_subscriber()
+            pub.publish(payload(1))  # seq 0
+            first = await get_batch(queue)
+            pub.publish(big_payload)  # seq 1: refused by libzmq, the connection dropped
+            await pub.wait_for_subscriber(count=2)  # subscribed again on a new connection
+            pub.publish(payload(3))  # seq 2
+            cleared = await get(queue)
+            after = await get_batch(queue)
+    finally:
+        await pub.close()
+    assert (first.seq, hashes(first)) == (0, [1])
+    assert cleared == SourceCleared(ClearReason.GAP)  # seq 1 never seen: a resync, not a hole
+    assert (after.seq, hashes(after)) == (2, [3])
+    assert stats.zmq_disconnects == 1
+    assert stats.gaps == 1
 
 
 # --- allowed publishers (ZAP) --------------------------------------------------------------

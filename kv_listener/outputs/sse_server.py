@@ -98,6 +98,7 @@ def source_stats_entry(
         "detokenize_errors_by_reason": dict(stats.detokenize_errors),
         "salt_rejected": stats.salt_rejected,
         "refused_publishers": stats.refused_publishers,
+        "zmq_disconnects": stats.zmq_disconnects,
         "last_event_at": stats.last_event_at,
         "ready": stats.ready,
         "startup_replay": None if stats.startup_replay is None else {

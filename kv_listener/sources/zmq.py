@@ -29,6 +29,7 @@ Receiving never waits for downstream work: items go on the bounded queue with `p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from typing import Any
@@ -37,6 +38,7 @@ import structlog
 import zmq
 import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
+from zmq.utils.monitor import parse_monitor_message
 
 from kv_listener.config import SourceConfig
 from kv_listener.core.decode import DecodeError, decode_zmq_payload
@@ -65,6 +67,12 @@ _MAX_LOGGED_PEERS = 1024
 _BIND_RETRY_MAX_S = 30.0
 #: Payloads above this are decoded in a worker thread (about 2-5 ms of decoding in the loop).
 _THREAD_DECODE_BYTES = 64 << 10
+#: libzmq refuses (drops the connection on) any frame over this many times max_message_bytes
+#: (ZMQ_MAXMSGSIZE): frames between the two are dropped and counted, frames above it are never
+#: read whole into memory, so one message costs at most this much while it is received.
+SOCKET_CAP_FACTOR = 2
+#: Pause before a connecting SUB connects again after libzmq dropped its connection.
+_RECONNECT_DELAY_S = 0.1
 #: `_replay`'s upper bound when the whole buffer is wanted (start-up).
 _ALL_SEQS = 1 << 63
 
@@ -170,6 +178,7 @@ class ZmqSource:
         self._ctx = ctx
         auth: _AllowListAuthenticator | None = None
         sub: zmq.asyncio.Socket | None = None
+        monitor: asyncio.Task[None] | None = None
         try:
             if self._uses_zap:
                 allow = PublisherAllowList(self.config.allowed_publishers)
@@ -184,8 +193,10 @@ class ZmqSource:
             sub.ipv6 = _wants_ipv6(self.config.zmq_endpoint or "")
             if auth is not None:
                 sub.zap_domain = ZAP_DOMAIN
+            sub.maxmsgsize = self._socket_cap
             sub.setsockopt(zmq.SUBSCRIBE, self.config.zmq_topic.encode("utf-8"))
             await self._attach(sub)
+            monitor = asyncio.create_task(self._watch_connection(sub))
             if self.config.replay_endpoint is not None:
                 self._dealer = self._new_dealer()
             self.stats.ready = True
@@ -199,6 +210,9 @@ class ZmqSource:
         finally:
             self.stats.ready = False
             self.ready.clear()
+            if monitor is not None:
+                monitor.cancel()
+                await asyncio.gather(monitor, return_exceptions=True)
             if self._live_fut is not None:
                 self._live_fut.cancel()
                 self._live_fut = None
@@ -230,6 +244,39 @@ class ZmqSource:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BIND_RETRY_MAX_S)
 
+    @property
+    def _socket_cap(self) -> int:
+        return self.config.limits.max_message_bytes * SOCKET_CAP_FACTOR
+
+    async def _watch_connection(self, sub: zmq.asyncio.Socket) -> None:
+        """Counts lost connections and, for a connecting SUB, connects again.
+
+        libzmq reconnects by itself after a network error, but not after a protocol error, and a
+        frame over ZMQ_MAXMSGSIZE is one (libzmq 4.3 `session_base_t::engine_error` terminates
+        the session): without this one hostile frame would silence the source for good. The
+        batches lost meanwhile show as a sequence gap, filled from the replay buffer or cleared.
+        A bound SUB needs nothing: the engine's PUB connects again itself."""
+        mon = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                frames = await mon.recv_multipart()
+                event = parse_monitor_message(frames)
+                if event["event"] != zmq.EVENT_DISCONNECTED:
+                    continue
+                self.stats.zmq_disconnects += 1
+                self._log.warning("zmq_disconnected", endpoint=self.endpoint,
+                                  mode=self.config.zmq_mode,
+                                  max_frame_bytes=self._socket_cap)
+                if self.config.zmq_mode == "connect" and self.endpoint is not None:
+                    await asyncio.sleep(_RECONNECT_DELAY_S)
+                    # ENOENT when the session is already gone (the protocol-error case)
+                    with contextlib.suppress(zmq.ZMQError):
+                        sub.disconnect(self.endpoint)
+                    sub.connect(self.endpoint)
+        finally:
+            sub.disable_monitor()
+            mon.close(linger=0)
+
     def expect_new_stream(self) -> None:
         """The engine was declared down and the source cleared: whatever comes next starts
         afresh. With a replay endpoint the next batch is expected at seq 0, so a stream that goes
@@ -244,6 +291,7 @@ class ZmqSource:
         assert self._ctx is not None and self.config.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.linger = 0
+        dealer.maxmsgsize = self._socket_cap
         dealer.ipv6 = _wants_ipv6(self.config.replay_endpoint)
         dealer.connect(self.config.replay_endpoint)
         return dealer
@@ -293,9 +341,8 @@ class ZmqSource:
     async def _apply(self, seq: int, payload: bytes) -> None:
         limits = self.config.limits
         if len(payload) > limits.max_message_bytes:
-            # Dropped on receipt, like an undecodable batch. Not ZMQ_MAXMSGSIZE: libzmq then
-            # drops the connection, and a SUB that connected (zmq_mode: connect) was seen never
-            # to reconnect (pyzmq 27, libzmq 4.3): one hostile frame would stop the source.
+            # Dropped on receipt and counted, like an undecodable batch; a frame over the socket
+            # cap (ZMQ_MAXMSGSIZE) never gets here: libzmq drops the connection instead.
             self._drop(SourceDropReason.MESSAGE_TOO_LARGE.value)
             self._log.warning("zmq_batch_too_large", seq=seq, bytes=len(payload),
                               max_message_bytes=limits.max_message_bytes)
