@@ -770,6 +770,8 @@ def read_yaml(path: str | Path) -> Any:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError([f"{path}: invalid YAML{where}: {problem}"]) from None
+    except RecursionError:
+        raise ConfigError([f"{path}: invalid YAML: nested too deeply"]) from None
 
 
 def load_config(path: str | Path) -> ListenerConfig:

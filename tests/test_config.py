@@ -348,6 +348,9 @@ def test_load_config_file_errors(tmp_path: Path) -> None:
     bad.write_text("sources: [\n  - a: b\n  c")
     with pytest.raises(ConfigError, match=r"invalid YAML \(line"):
         load_config(bad)
+    bad.write_text("[" * 100_000)  # PyYAML raises RecursionError, not YAMLError
+    with pytest.raises(ConfigError, match="nested too deeply"):
+        load_config(bad)
 
 
 def test_example_config_validates_and_has_every_option() -> None:

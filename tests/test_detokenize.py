@@ -194,7 +194,7 @@ async def test_connect_error() -> None:
     assert info.value.reason.value == "connect_error" and client.attempts == 2
 
 
-@pytest.mark.parametrize("step", ["garbage", "wrong-shape", "redirect"])
+@pytest.mark.parametrize("step", ["garbage", "wrong-shape", "deep", "redirect"])
 async def test_bad_answers(step: str) -> None:
     async with DetokenizeServer(chatml()) as server:
         server.script = [step]

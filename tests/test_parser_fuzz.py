@@ -14,9 +14,9 @@ checked against a small reference model of the WHATWG rules it implements, so "t
 whatever the chunking" and "exactly the right events" are one property. Well-formed input built
 with the project's encoders round-trips exactly.
 
-Known bugs are pinned at the end as strict xfails (the fuzz strategies above leave those inputs
-out, each place says which bug): deeply nested JSON escapes as `RecursionError`; the ID pattern
-accepts a trailing newline; lone surrogates decode but cannot be encoded again.
+Three bugs this found are pinned at the end (each test failed before its fix): deeply nested
+JSON escaped as `RecursionError`; the ID pattern accepted a trailing newline; lone surrogates
+decoded but could not be encoded again. The control-line strategies include all three inputs.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
@@ -98,7 +98,8 @@ def chunkings(data: st.DataObject, stream: bytes) -> list[tuple[bool, list[bytes
             (False, chunked(data, stream))]
 
 
-# Lone surrogates are left out of every text strategy (BUG-3 below: they decode but do not encode).
+# SSE text: lone surrogates cannot be UTF-8 on a stream at all (the control-line strategies below
+# do generate them, as JSON escapes).
 line_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\n"),
                     max_size=12)
 ids = st.text(ID_CHARS, min_size=1, max_size=64)
@@ -108,7 +109,7 @@ json_scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(1 << 70), 1 << 70), st.floats(allow_nan=True),
     st.text(max_size=10), st.sampled_from(["", "gpu_hot", "storage_warm", B, "1" * 64]),
 )
-# Nesting stays shallow: deep nesting is BUG-1 (RecursionError), pinned below.
+# Nesting stays shallow here; deep nesting (BUG-1) is tested alone below.
 json_values = st.recursive(
     json_scalars,
     lambda inner: st.one_of(st.lists(inner, max_size=4),
@@ -550,12 +551,14 @@ BUS_TOKENS = [
 ]
 bus_bytes = st.lists(st.one_of(st.sampled_from(BUS_TOKENS), st.binary(max_size=6)),
                      max_size=20).map(b"".join)
-# Values for every field: valid ones and near misses. Strings ending in "\n" are left out
-# (BUG-2: `ID_RE` accepts them), so are lone surrogates (BUG-3).
+# Values for every field: valid ones and near misses, with ids ending in a newline (BUG-2) and lone
+# surrogates (BUG-3).
 field_values = st.one_of(
-    ids, st.sampled_from(["", "a" * 65, "a b", "a/b", "é", B, "kv_listener", "broker", "x" * 129]),
-    st.lists(st.one_of(ids, json_scalars), max_size=3), line_text, json_values,
-).filter(lambda v: not (isinstance(v, str) and v.endswith("\n")))
+    ids, st.sampled_from(["", "a" * 65, "a b", "a/b", "é", B, "kv_listener", "broker", "x" * 129,
+                          "abc\n", "\ud800", "a\udfffb"]),
+    ids.map(lambda i: i + "\n"), st.lists(st.one_of(ids, json_scalars), max_size=3), line_text,
+    st.text(max_size=12), json_values,
+)
 MESSAGE_TYPES = [t.value for t in bp.MessageType] + ["Hello", "", "ping"]
 REQUIRED = {
     "hello": {"role": st.sampled_from(["kv_listener", "broker"]), "client_id": ids,
@@ -565,7 +568,7 @@ REQUIRED = {
     "subscribe": {"stream_id": ids, "announced_source": ids,
                   "last_event_id": st.one_of(st.none(), line_text.filter(lambda s: "\x00" not in s))},
     "unsubscribe": {"stream_id": ids},
-    "forbidden": {"reason": st.text(st.characters(blacklist_categories=("Cs",)), max_size=256)},
+    "forbidden": {"reason": st.text(max_size=256)},
 }
 # Each type with all its fields, each valid or a near miss, maybe one field left out.
 plausible_messages = st.sampled_from(sorted(REQUIRED)).flatmap(lambda t: st.builds(
@@ -585,11 +588,6 @@ random_objects = st.builds(
 message_objects = st.one_of(plausible_messages, plausible_messages, random_objects)
 
 
-def no_newline_ids(obj: dict[str, Any]) -> bool:
-    """BUG-2 guard for generated objects: no string anywhere in them ends with a newline."""
-    return not re.search(r'\\n"', json.dumps(obj))
-
-
 def decode_all(line: bytes) -> list[Any]:
     """Every decoder on one input: a typed result or `BusProtocolError`, nothing else."""
     out: list[Any] = []
@@ -605,20 +603,8 @@ def decode_all(line: bytes) -> list[Any]:
 ID_FULL = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
-def known_bug_fields(got: Any) -> bool:
-    """Decoded values that hit BUG-2 (an id ending in a newline) or BUG-3 (a lone surrogate)."""
-    ids_ = ([got.client_id, *got.sources] if isinstance(got, Hello)
-            else [got.stream_id, got.announced_source] if isinstance(got, Subscribe)
-            else [got.stream_id] if isinstance(got, Unsubscribe) else [])
-    texts = ([got.reason] if isinstance(got, Forbidden)
-             else [got.last_event_id or ""] if isinstance(got, Subscribe) else [])
-    return (any(i.endswith("\n") for i in ids_)
-            or any(0xD800 <= ord(c) <= 0xDFFF for t in texts for c in t))
-
-
 def check_message(got: Any) -> None:
     """What a decoder returns holds the SPEC §7 field rules and re-encodes to itself."""
-    assume(not known_bug_fields(got))  # BUG-2 / BUG-3: pinned as xfails at the end
     if isinstance(got, Hello):
         assert ID_FULL.fullmatch(got.client_id) and got.version == bp.PROTOCOL_VERSION
         assert all(ID_FULL.fullmatch(s) for s in got.sources)
@@ -667,7 +653,6 @@ def test_control_line_decoders_on_arbitrary_bytes(line: bytes) -> None:
 @FUZZ
 @given(obj=message_objects, ending=st.sampled_from([b"", b"\n", b"\r\n"]))
 def test_control_line_decoders_on_arbitrary_json_objects(obj: dict[str, Any], ending: bytes) -> None:
-    assume(no_newline_ids(obj))
     line = json.dumps(obj).encode() + ending
     results = decode_all(line)
     for got in results:
@@ -814,7 +799,7 @@ hello_bodies = st.one_of(
               st.sampled_from(["kv-listener-a", "kv-listener-b", "x"]),
               st.lists(st.sampled_from([B, "vllm-2", "vllm-3"]), max_size=3),
               st.sampled_from(["kv_listener", "broker"])),
-    message_objects.filter(no_newline_ids).map(lambda o: json.dumps(o).encode()),
+    message_objects.map(lambda o: json.dumps(o).encode()),
     bus_bytes,
     st.integers(1, 64).map(lambda n: padded(HELLO_OBJ, bp.MAX_LINE_BYTES + n)),
 )
@@ -862,63 +847,60 @@ def test_bus_server_answers_every_hello_body_with_200_400_or_403(
         assert status == 403 and isinstance(bp.decode_message(answer), Forbidden)
 
 
-# --- 7. known bugs (strict xfail: each flips to a failure once fixed, then drop the marker) ---------
+# --- 7. bugs found by the fuzzing above (each of these failed before its fix) ----------------------
 
 DEEP = b"[" * 100_000  # under the 1 MiB data cap of an SSE record
 DEEP_LINE = b"[" * 60_000  # under the 64 KiB control-line cap
 
 
-@pytest.mark.xfail(raises=RecursionError, strict=True,
-                   reason="BUG-1: json.loads on deeply nested JSON raises RecursionError, which "
-                          "decode_record does not turn into RecordDropped(malformed_json)")
 def test_bug1_deeply_nested_record_data_is_a_counted_drop() -> None:
-    with pytest.raises(RecordDropped):
+    # json.loads raised RecursionError, which decode_record did not turn into a drop
+    with pytest.raises(RecordDropped) as info:
         decode_record(B, SseEvent("cache_created", DEEP.decode(), "e-1", "e-1"))
+    assert info.value.reason is EventDropReason.MALFORMED_JSON
 
 
-@pytest.mark.xfail(raises=RecursionError, strict=True,
-                   reason="BUG-1: deeply nested JSON in a control line raises RecursionError, "
-                          "not BusProtocolError(not_json)")
 def test_bug1_deeply_nested_control_line_is_not_json() -> None:
-    with pytest.raises(BusProtocolError):
+    with pytest.raises(BusProtocolError) as info:
         bp.decode_message(DEEP_LINE)
+    assert info.value.reason is BusProtocolErrorReason.NOT_JSON
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="BUG-1: a deeply nested hello body makes the bus server's request fail "
-                          "(bus_request_failed, no response) instead of answering 400")
 def test_bug1_deeply_nested_hello_body_is_a_400() -> None:
+    # the bus server's request failed (bus_request_failed, no response at all)
     status, _, logs = asyncio.run(serve_hello([DEEP_LINE]))
     assert status == 400 and not [e for e in logs if e["event"] == "bus_request_failed"]
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="BUG-2: ID_RE ends in `$`, which also matches before a final newline, "
-                          "so 'abc\\n' passes as a client id / source / stream id")
 @pytest.mark.parametrize("line", [
     b'{"type":"unsubscribe","stream_id":"abc\\n"}',
     b'{"type":"hello","role":"kv_listener","client_id":"a\\n","sources":["x"],"version":1}',
     b'{"type":"hello","role":"kv_listener","client_id":"a","sources":["x","x\\n"],"version":1}',
 ])
 def test_bug2_an_id_with_a_trailing_newline_is_invalid(line: bytes) -> None:
+    # ID_RE ended in `$`, which also matches before a final newline
     with pytest.raises(BusProtocolError) as info:
         bp.decode_hello(line) if b"hello" in line else bp.decode_message(line)
     assert info.value.reason is BusProtocolErrorReason.INVALID_FIELD
 
 
-@pytest.mark.xfail(strict=True, reason="BUG-2: stream_path('abc\\n') builds a path with a newline")
 def test_bug2_stream_path_refuses_a_trailing_newline() -> None:
     with pytest.raises(BusProtocolError):
         bp.stream_path("abc\n")
+    assert bp.parse_stream_path(bp.STREAMS_PATH + "abc\n") is None
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="BUG-3: the decoder accepts a lone surrogate (JSON escape \\ud800) that "
-                          "encode_message cannot encode (UnicodeEncodeError, not BusProtocolError)")
 @pytest.mark.parametrize("line", [
     b'{"type":"forbidden","reason":"\\ud800"}',
     b'{"type":"subscribe","stream_id":"s","announced_source":"a","last_event_id":"\\ud800"}',
 ])
-def test_bug3_what_decodes_encodes_again(line: bytes) -> None:
-    message = bp.decode_message(line)
-    assert bp.decode_message(bp.encode_message(message)) == message
+def test_bug3_a_lone_surrogate_is_an_invalid_field(line: bytes) -> None:
+    # it decoded, and encode_message then raised UnicodeEncodeError
+    with pytest.raises(BusProtocolError) as info:
+        bp.decode_message(line)
+    assert info.value.reason is BusProtocolErrorReason.INVALID_FIELD
+
+
+def test_bug3_encoding_a_lone_surrogate_is_a_protocol_error() -> None:
+    with pytest.raises(BusProtocolError):
+        bp.encode_message(Forbidden("\ud800"))

@@ -31,7 +31,7 @@ SESSION_PATH = "/bus/v1/session"
 STREAMS_PATH = "/bus/v1/streams/"
 #: Client ids, announced sources (backend names) and stream ids share the backend-name alphabet:
 #: they travel in URL paths and metric labels, so nothing needs escaping.
-ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")  # always fullmatch: `$` also matches before a final \n
 _MAX_SESSION_ID = 128
 _MAX_EVENT_ID = 1024
 _MAX_REASON = 256
@@ -173,7 +173,7 @@ def _object(line: bytes) -> dict[str, Any]:
         raise BusProtocolError(BusProtocolErrorReason.NOT_UTF8, "line is not UTF-8") from None
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nesting deeper than the C stack allows
         raise BusProtocolError(BusProtocolErrorReason.NOT_JSON, "line is not JSON") from None
     if not isinstance(obj, dict):
         raise BusProtocolError(BusProtocolErrorReason.NOT_OBJECT, "line is not a JSON object")
@@ -191,7 +191,7 @@ def _invalid(name: str, why: str) -> BusProtocolError:
 
 
 def _check_id(name: str, value: object) -> str:
-    if not isinstance(value, str) or not ID_RE.match(value):
+    if not isinstance(value, str) or not ID_RE.fullmatch(value):
         raise _invalid(name, "must match [A-Za-z0-9_-]{1,64}")
     return value
 
@@ -208,15 +208,25 @@ def _check_event_id(value: object) -> str | None:
         return None
     # An SSE id must not contain CR, LF or NUL (it would end or be ignored in the id: line).
     if (not isinstance(value, str) or len(value) > _MAX_EVENT_ID
-            or any(c in value for c in "\r\n\x00")):
+            or any(c in value for c in "\r\n\x00") or not _is_text(value)):
         raise _invalid("last_event_id", "must be null or a string without CR, LF or NUL")
     return value
 
 
 def _check_reason(value: object) -> str:
-    if not isinstance(value, str) or len(value) > _MAX_REASON:
+    if not isinstance(value, str) or len(value) > _MAX_REASON or not _is_text(value):
         raise _invalid("reason", f"must be a string of at most {_MAX_REASON} characters")
     return value
+
+
+def _is_text(value: str) -> bool:
+    """False for a string holding a lone surrogate (JSON lets `\\ud800` through): it could not
+    be written as UTF-8 again."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_hello(role: object, client_id: object, sources: object, version: object) -> Hello:
@@ -334,7 +344,7 @@ def parse_stream_path(path: str) -> str | None:
     if not path.startswith(STREAMS_PATH):
         return None
     stream_id = path[len(STREAMS_PATH):]
-    return stream_id if ID_RE.match(stream_id) else None
+    return stream_id if ID_RE.fullmatch(stream_id) else None
 
 
 # --- credentials ----------------------------------------------------------------------------

@@ -1017,7 +1017,7 @@ def _refusal(status: int, body: bytes) -> BusError:
         obj = json.loads(body.decode("utf-8").splitlines()[0]) if body.strip() else {}
         if isinstance(obj, dict) and isinstance(obj.get("reason"), str):
             reason = obj["reason"][:256]
-    except (ValueError, UnicodeDecodeError, IndexError):
+    except (ValueError, UnicodeDecodeError, IndexError, RecursionError):
         pass
     if status == 401:
         return BusError(BusFailure.UNAUTHORIZED, reason or "401")

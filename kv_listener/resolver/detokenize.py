@@ -307,7 +307,7 @@ class HttpDetokenizer:
                                   type(exc).__name__) from None
         try:
             return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise DetokenizeError(DetokenizeErrorReason.BAD_RESPONSE, "not JSON") from None
 
     async def close(self) -> None:
@@ -405,7 +405,7 @@ async def probe_tokenizer_info(session: aiohttp.ClientSession, url: str,
         return TokenizerInfoAnswer(absent, detail=type(exc).__name__)
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return TokenizerInfoAnswer(absent, detail="not JSON")
     if not isinstance(body, dict):
         return TokenizerInfoAnswer(absent, detail="not a JSON object")

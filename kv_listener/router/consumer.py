@@ -150,7 +150,8 @@ def decode_record(backend: str, event: SseEvent) -> PrefixRecord | ControlEvent:
     that ends the stream. Raises `RecordDropped` with the reason to count."""
     try:
         data = json.loads(event.data)
-    except ValueError:  # JSONDecodeError, and UnicodeDecodeError of lone surrogates
+    # JSONDecodeError, UnicodeDecodeError of lone surrogates, and nesting deeper than the stack
+    except (ValueError, RecursionError):
         raise RecordDropped(EventDropReason.MALFORMED_JSON, "data is not JSON") from None
     if not isinstance(data, dict):
         raise RecordDropped(EventDropReason.MALFORMED_JSON, "data is not a JSON object")

@@ -5,8 +5,9 @@ shape: vLLM `{"prompt"}` (decode keeps special tokens, like vLLM 0.10.2's
 `tokenizer.decode(ids)`), SGLang `{"text"}` honouring `skip_special_tokens` with SGLang's
 default `true` (so a client that forgets to send `false` loses the role markers, as with the
 real engine). Failures are scripted: `script` lists, per request, an HTTP status to answer,
-"garbage", "wrong-shape", "redirect", or "hold" (wait for `release`, then answer normally: a
-client times out, or a test controls when an answer comes, without any sleep).
+"garbage", "wrong-shape", "deep" (JSON nested 100,000 levels), "redirect", or "hold" (wait for
+`release`, then answer normally: a client times out, or a test controls when an answer comes,
+without any sleep).
 `/tokenizer_info` answers `tokenizer_info` when set, else 404 (vLLM without
 `--enable-tokenizer-info-endpoint`).
 """
@@ -52,6 +53,8 @@ class DetokenizeServer(SimDetokenizeServer):
                 await self.release.wait()
             elif step == "garbage":
                 return web.Response(text="<html>not json</html>", content_type="text/html")
+            elif step == "deep":
+                return web.Response(text="[" * 100_000, content_type="application/json")
             elif step == "wrong-shape":
                 return web.json_response({"tokens": body.get("tokens")})
             elif step == "redirect":
