@@ -334,6 +334,8 @@ class ZmqSource:
         elif decision.action is SeqAction.RESTART:
             self._log.warning("zmq_engine_restart", expected=decision.expected, got=seq)
             self._feeder.put(SourceCleared(ClearReason.ENGINE_RESTART))
+            if seq > 0 and self.config.replay_endpoint is not None:
+                await self._replay_restart(sub, seq)
             await self._apply(seq, payload)
         else:
             await self._fill_gap(sub, decision, payload)
@@ -417,6 +419,30 @@ class ZmqSource:
                               from_seq=applied[0], last_seq=applied[-1],
                               effect="blocks stored before the engine's replay buffer starts "
                                      "are unknown until stored again")
+
+    async def _replay_restart(self, sub: zmq.asyncio.Socket, seq: int) -> None:
+        """The restarted engine's first batch seen is `seq` > 0: its batches 0..seq-1 were lost
+        on the way (published before this SUB was connected again, or a high-water mark). They
+        are in its replay buffer: apply the run of them that ends right before `seq`."""
+        if self._dealer is None:
+            self._dealer = self._new_dealer()
+        replayed, status = await self._replay(sub, self._dealer, 0, seq)
+        run: list[tuple[int, bytes]] = []
+        for item in reversed(replayed):
+            if item[0] != (run[-1][0] if run else seq) - 1:
+                break
+            run.append(item)
+        run.reverse()
+        for s, item in run:
+            await self._apply(s, item)
+        if run and run[0][0] == 0:
+            self.stats.replays += 1
+            self._log.info("zmq_restart_replayed", got=seq, batches=len(run), status="exact")
+        else:
+            # What the buffer no longer holds stays unknown until stored again, as after a gap.
+            self.stats.replay_failures += 1
+            self._log.warning("zmq_restart_replayed", got=seq, batches=len(run),
+                              status="partial" if run else status.value)
 
     async def _fill_gap(self, sub: zmq.asyncio.Socket, decision: SeqDecision, payload: bytes) -> None:
         expected = decision.expected

@@ -23,9 +23,15 @@ from kv_listener.core.sse import SseEvent, SseParser
 
 
 class Daemon:
-    def __init__(self, config: dict[str, Any], workdir: Path) -> None:
+    """The listener (`python -m kv_listener --config FILE`), or with `command=("router",)` the
+    standalone router (`python -m kv_listener router --config FILE`, `started` its start event)."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path, *, command: tuple[str, ...] = (),
+                 name: str = "listener", started: str = "listener_started") -> None:
         self.config = config
-        self.path = workdir / "listener.yaml"
+        self.command = command
+        self.started = started
+        self.path = workdir / f"{name}.yaml"
         self.path.write_text(yaml.safe_dump(config))
         self.proc: subprocess.Popen[str] | None = None
         self.logs: list[dict[str, Any]] = []
@@ -46,11 +52,11 @@ class Daemon:
         self._loop = asyncio.get_running_loop()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kv_listener", "--config", str(self.path)],
+            [sys.executable, "-m", "kv_listener", *self.command, "--config", str(self.path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        await self.wait_log("listener_started")
+        await self.wait_log(self.started)
         return self
 
     def _read(self) -> None:
@@ -98,6 +104,15 @@ class Daemon:
     def signal(self, sig: signal.Signals) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)
+
+    async def kill(self) -> None:
+        """SIGKILL (no clean-up of any kind), reaped; `start()` may run it again."""
+        assert self.proc is not None
+        self.proc.kill()
+        await self.wait_exit()
+        await self.stop()
+        self._lines = asyncio.Queue()
+        self.logs = []
 
     async def wait_exit(self, timeout_s: float = 20.0) -> int:
         assert self.proc is not None
