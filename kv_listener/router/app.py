@@ -41,7 +41,7 @@ from kv_listener.router.config import RouterConfig, load_router_config
 from kv_listener.router.consumer import KvEventConsumerManager, index_applier
 from kv_listener.router.index import KvIndex, run_cleanup
 from kv_listener.router.metrics import RouterMetrics
-from kv_listener.router.redis_index import build_index
+from kv_listener.router.redis_index import RedisKvIndex, build_index
 from kv_listener.router.scorer import KvOverlapScorer
 
 log = get_logger("kv_listener.router.app")
@@ -102,6 +102,7 @@ class Router:
         self.admin_server: RunningServer | None = None
         self._admin_app: _SwappableApp | None = None
         self._cleanup: asyncio.Task[None] | None = None
+        self._resync: asyncio.Task[list[str]] | None = None
         self._index_closed = False
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[bool] | None = None
@@ -151,6 +152,8 @@ class Router:
                                    f"{cfg.admin.listen_port}: {_reason(exc)}"]) from None
             if kv.enabled:
                 self.consumers.start()
+            if isinstance(self.index, RedisKvIndex):
+                self.index.add_state_listener(self._index_state_changed)
             self._cleanup = asyncio.create_task(
                 run_cleanup(self.index, cleanup_interval_s(kv.entry_ttl_seconds)),
                 name="kv-index-cleanup")
@@ -162,6 +165,16 @@ class Router:
                  consumers_enabled=kv.enabled,
                  event_bus=self.bus.port if self.bus is not None else None)
 
+    def _index_state_changed(self, fallback_active: bool) -> None:
+        """Redis is back: what it holds may not be what the streams said meanwhile (restarted
+        empty, or removals the fallback could not carry over), so every stream resyncs."""
+        if fallback_active or self.consumers is None:
+            return
+        if self._resync is not None and not self._resync.done():
+            self._resync.cancel()
+        self._resync = asyncio.get_running_loop().create_task(
+            self.consumers.resync_all("index_recovered"), name="kv-consumers-resync")
+
     def _new_admin_app(self) -> Any:
         assert self.index is not None and self.scorer is not None and self.consumers is not None
         return create_admin_app(self.config, self.index, self.scorer,
@@ -171,6 +184,11 @@ class Router:
     async def stop(self) -> None:
         """Stop in order: consumers (nothing writes the index any more), event-bus sessions,
         the admin server, the cleanup task, the index. Safe to call twice."""
+        if self._resync is not None:
+            self._resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resync
+            self._resync = None
         if self.consumers is not None:
             await self.consumers.stop()
         if self.bus is not None:

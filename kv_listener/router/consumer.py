@@ -705,6 +705,19 @@ class KvEventConsumerManager:
                      restarted=list(restarted))
         return ReloadResult(added, removed, restarted)
 
+    async def resync_all(self, reason: str) -> list[str]:
+        """Every source connects again at once, without a Last-Event-ID, so its listener sends a
+        full resync (`cache_cleared`, then the backend's current prefixes). For an index that
+        lost writes: a Redis restarted empty, or removals made while the fallback held them."""
+        names = [n for n in self._configs if n in self._runners]
+        await _cancel_all([self._runners.pop(n) for n in names])
+        for name in names:
+            self._states[name].last_event_id = None
+            if self._started:
+                self._spawn(name)
+        log.info("kv_consumers_resync", reason=reason, sources=len(names))
+        return names
+
     # --- stats -----------------------------------------------------------------------------
 
     def stats(self) -> dict[str, dict[str, Any]]:

@@ -433,8 +433,8 @@ class ZmqSource:
                 break
             run.append(item)
         run.reverse()
-        for s, item in run:
-            await self._apply(s, item)
+        for batch_seq, payload in run:
+            await self._apply(batch_seq, payload)
         if run and run[0][0] == 0:
             self.stats.replays += 1
             self._log.info("zmq_restart_replayed", got=seq, batches=len(run), status="exact")
