@@ -4,8 +4,9 @@ converged, so the next one starts from a known state)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -24,7 +25,8 @@ from tests.support.daemon import Daemon
 from tests.support.redis_server import RedisServer
 
 
-async def start_stack(tmp: Path, cleanup: contextlib.AsyncExitStack) -> Stack:
+async def start_stack(tmp: Path, cleanup: contextlib.AsyncExitStack,
+                      extra_sources: Sequence[Mapping[str, Any]] = ()) -> Stack:
     engines = {}
     for name in ("vllm-1", "vllm-2"):
         engine = TruthEngine(name)
@@ -34,7 +36,8 @@ async def start_stack(tmp: Path, cleanup: contextlib.AsyncExitStack) -> Stack:
     redis.start()
     cleanup.callback(redis.stop)
     listen = f"127.0.0.1:{free_port()}"
-    listener = Daemon(listener_config(int(listen.rsplit(":")[1]), list(engines.values())), tmp)
+    listener = Daemon(listener_config(int(listen.rsplit(":")[1]), list(engines.values()),
+                                      extra_sources), tmp)
     cleanup.push_async_callback(listener.stop)
     await listener.start()
     http = await cleanup.enter_async_context(aiohttp.ClientSession())
