@@ -112,7 +112,12 @@ class TrtllmSource:
         self._stream = TrtllmEventStream()
         self._allow = PublisherAllowList(config.allowed_publishers)
         self._request_timeout_s = request_timeout_s
-        self._max_backoff_s = max_backoff_s
+        down_after = config.engine_down_after_s
+        # The poller must look a few times within the liveness window: with a longer pause a
+        # brief run of failed polls (the endpoint flapping) would be declared engine_down and
+        # clear a cache the engine still holds, which drain-on-read events cannot rebuild.
+        self._max_backoff_s = (max_backoff_s if down_after is None else
+                               min(max_backoff_s, max(config.poll_interval_s, down_after / 4)))
         self._max_body = max_body_bytes
         self._failures = 0
         self._inflight_since: float | None = None

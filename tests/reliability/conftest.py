@@ -15,33 +15,58 @@ import pytest_asyncio
 from tests.conftest import free_port
 from tests.engines.view import StreamView
 from tests.reliability.harness import (
+    BUS_TOKEN,
     RouterView,
     Stack,
+    TrtllmTruthEngine,
     TruthEngine,
+    bus_listener_block,
+    bus_router_config,
     listener_config,
     router_config,
 )
 from tests.support.daemon import Daemon
 from tests.support.redis_server import RedisServer
+from tests.support.tls import TlsMaterial
 
 
 async def start_stack(tmp: Path, cleanup: contextlib.AsyncExitStack,
-                      extra_sources: Sequence[Mapping[str, Any]] = ()) -> Stack:
-    engines = {}
+                      extra_sources: Sequence[Mapping[str, Any]] = (),
+                      bus: TlsMaterial | None = None, trtllm: bool = False) -> Stack:
+    """Engines, Redis, the listener, a router on each index; with `bus`, the listener also
+    pushes every backend to a third router's event bus (TLS HTTP/2, bearer token)."""
+    engines: dict[str, Any] = {}
     for name in ("vllm-1", "vllm-2"):
         engine = TruthEngine(name)
         cleanup.push_async_callback(engine.close)
         engines[name] = await engine.start()
+    if trtllm:
+        trt = TrtllmTruthEngine("trtllm-1")
+        cleanup.push_async_callback(trt.close)
+        engines[trt.name] = await trt.start()
     redis = RedisServer(tmp)
     redis.start()
     cleanup.callback(redis.stop)
     listen = f"127.0.0.1:{free_port()}"
+    top: dict[str, Any] = {}
+    routers = []
+    bus_port = None
+    if bus is not None:
+        bus_port, admin_port = free_port(), free_port()
+        token = tmp / "bus-token"
+        token.write_bytes(BUS_TOKEN + b"\n")
+        top["event_bus"] = bus_listener_block(bus_port, bus.ca_file, token)
+        d = Daemon(bus_router_config(list(engines), admin_port, bus_port, bus.server.cert,
+                                     bus.server.key),
+                   tmp, command=("router",), name="router-bus", started="router_started")
+        cleanup.push_async_callback(d.stop)
+        await d.start()
+        routers.append(RouterView("bus", d, admin_port))
     listener = Daemon(listener_config(int(listen.rsplit(":")[1]), list(engines.values()),
-                                      extra_sources), tmp)
+                                      extra_sources, **top), tmp)
     cleanup.push_async_callback(listener.stop)
     await listener.start()
     http = await cleanup.enter_async_context(aiohttp.ClientSession())
-    routers = []
     for rname, url in (("memory", None), ("redis", redis.url)):
         port = free_port()
         d = Daemon(router_config(listen, engines, port, url), tmp, command=("router",),
@@ -54,9 +79,10 @@ async def start_stack(tmp: Path, cleanup: contextlib.AsyncExitStack,
         cleanup.push_async_callback(v.close)
         v.start(http)
     stack = Stack(tmp=tmp, http=http, engines=engines, listener=listener, views=views,
-                  routers=routers, redis=redis)
+                  routers=routers, redis=redis, bus_port=bus_port)
     for engine in engines.values():
-        await engine.publisher.wait_for_subscriber()
+        if isinstance(engine, TruthEngine):
+            await engine.publisher.wait_for_subscriber()
     return stack
 
 

@@ -19,21 +19,25 @@ and every prefix's holder) == oracle. Differences name prefix hashes only, never
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from kv_listener.core.bus_protocol import token_hash
 from kv_listener.core.decode import decode_zmq_payload
-from kv_listener.core.model import Engine
+from kv_listener.core.model import BlockRemoved, BlockStored, Engine, EventBatch
 from kv_listener.resolver.template import DEMO_TOKENIZER_DIR, build_prompt_parser, load_tokenizer
 from kv_listener.sim.detokenize_server import DetokenizeServer, tokenizer_info
 from kv_listener.sim.encode import encode_vllm_batch
-from kv_listener.sim.engine import WIRE_VERSION, EngineCore, SimEngine
+from kv_listener.sim.engine import WIRE_VERSION, EngineCore, SimEngine, render_chat
+from kv_listener.sim.trtllm_server import PATH as TRTLLM_PATH
+from kv_listener.sim.trtllm_server import RunningServer, SimTrtllmServer
 from tests.conftest import free_port
 from tests.engines.oracle import EngineTruth
 from tests.engines.view import StreamView, diff
@@ -212,10 +216,102 @@ class TruthEngine(SimEngine):
             raise AssertionError(f"{self.name}: oracle holds {held} blocks, pool {cached}")
 
 
+class TrtllmTruthEngine:
+    """A simulated TensorRT-LLM engine: the same block pool as `TruthEngine`, its events served
+    by `trtllm-serve`'s drain-on-read `POST /kv_cache_events` (the project's `SimTrtllmServer`
+    on a fixed port), each event folded into the oracle as it is queued."""
+
+    engine = "trtllm"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.core = EngineCore(POOL_BLOCKS, BLOCK_SIZE)
+        self.server = SimTrtllmServer()
+        self.port = free_port()
+        self.truth = EngineTruth(engine=Engine.TRTLLM, model=MODEL, tokenizer=TOKENIZER,
+                                 parser=PARSER)
+        self.http = FaultyHttp()
+        self.health = Health()
+        self.last_publish = 0.0
+        self.exact = True
+        self._running: RunningServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}{TRTLLM_PATH}"
+
+    async def start(self) -> TrtllmTruthEngine:
+        self._running = await self.server.serve(port=self.port)
+        await self.http.start()
+        await self.health.up()
+        return self
+
+    async def close(self) -> None:
+        await self.health.down()
+        await self.http.close()
+        if self._running is not None:
+            await self._running.close()
+            self._running = None
+
+    def publish_step(self, *, lost: bool = False) -> None:
+        """Queue the step's events (`lost`: they never reach the wire, their ids are skipped)."""
+        events = self.core.take_events()
+        for ev in events:
+            if isinstance(ev, BlockStored):  # one `stored` record of single-block events
+                bs = ev.block_size
+                singles = [BlockStored(block_hashes=(h,),
+                                       parent_hash=ev.parent_hash if i == 0 else ev.block_hashes[i - 1],
+                                       token_ids=ev.token_ids[i * bs:(i + 1) * bs], block_size=bs,
+                                       medium=ev.medium)
+                           for i, h in enumerate(ev.block_hashes)]
+                self._emit(lost, *singles)
+                self.truth.feed_batch(EventBatch(time.time(), tuple(singles)))
+            elif isinstance(ev, BlockRemoved):  # TRT-LLM's removed events carry no medium
+                removed = BlockRemoved(ev.block_hashes)
+                self._emit(lost, removed)
+                self.truth.feed_batch(EventBatch(time.time(), (removed,)))
+        if events:
+            self.last_publish = time.monotonic()
+
+    def _emit(self, lost: bool, *events: Any) -> None:
+        if lost:
+            self.server.lose(1)
+        else:
+            self.server.emit(*events)
+
+    def serve(self, msgs: Sequence[Mapping[str, Any]], output_tokens: int = 0, *,
+              lost: bool = False) -> None:
+        rng = random.Random(len(msgs[-1]["content"]))  # noqa: S311 - simulated output tokens
+        self.core.serve(render_chat(TOKENIZER, msgs),
+                        [rng.randrange(3, len(TOKENIZER)) for _ in range(output_tokens)])
+        self.publish_step(lost=lost)
+
+    def chat(self, system: int, user: int, output_tokens: int = 8) -> None:
+        self.serve(messages(system, user), output_tokens)
+
+    def traffic(self, n: int, *, systems: int = 10, seed: int = 0, first: int = 0) -> None:
+        for i in range(n):
+            self.chat(first + (seed * 7 + i * 3) % systems, seed * 1000 + i, 4 + i % 9)
+
+    def forget(self) -> None:
+        self.truth.clear()
+        self.exact = False
+
+    def check_truth(self) -> None:
+        held, cached = self.truth.held, len(self.core.pool.cached_hashes())
+        if self.exact and held != cached:
+            raise AssertionError(f"{self.name}: oracle holds {held} blocks, pool {cached}")
+
+
 # --- the listener and the routers --------------------------------------------------------------
 
 
-def source(engine: TruthEngine, **extra: Any) -> dict[str, Any]:
+def source(engine: TruthEngine | TrtllmTruthEngine, **extra: Any) -> dict[str, Any]:
+    if isinstance(engine, TrtllmTruthEngine):
+        return {"backend_name": engine.name, "engine": "trtllm", "model": MODEL,
+                "trtllm_endpoint": engine.url, "poll_interval": "100ms",
+                "tokenizer": str(DEMO_TOKENIZER_DIR),  # trtllm-serve has no /detokenize
+                "engine_down_after": f"{ENGINE_DOWN_AFTER_S}s", **extra}
     return {"backend_name": engine.name, "engine": "vllm", "model": MODEL,
             "zmq_endpoint": engine.endpoint, "zmq_mode": "connect",
             "replay_endpoint": engine.replay_endpoint,
@@ -224,7 +320,7 @@ def source(engine: TruthEngine, **extra: Any) -> dict[str, Any]:
             "allowed_publishers": ["127.0.0.1"], **extra}
 
 
-def listener_config(port: int, engines: Sequence[TruthEngine],
+def listener_config(port: int, engines: Sequence[TruthEngine | TrtllmTruthEngine],
                     extra_sources: Sequence[Mapping[str, Any]] = (), **top: Any) -> dict[str, Any]:
     return {"listen": f"127.0.0.1:{port}", "log": {"level": "info", "format": "json"},
             "update_interval": "50ms",
@@ -243,6 +339,32 @@ def router_config(listener: str, backends: Iterable[str], admin_port: int,
         doc["response_cache"] = {"redis": {"url": redis_url, "command_timeout_ms": 500,
                                            "connect_timeout_ms": 500}}
     return doc
+
+
+BUS_TOKEN = b"reliability-listener-token-5e1f"
+BUS_CLIENT = "kv-listener-a"
+
+
+def bus_listener_block(port: int, ca_file: str, token_file: Path) -> dict[str, Any]:
+    """The listener's `event_bus` block: push every backend to the router's bus on `port`."""
+    return {"url": f"https://127.0.0.1:{port}", "ca_file": ca_file, "tls_server_name": "localhost",
+            "client_id": BUS_CLIENT, "credential_file": str(token_file),
+            "reconnect_backoff": {"initial": "100ms", "max": "1s"}}
+
+
+def bus_router_config(backends: Sequence[str], admin_port: int, bus_port: int, cert: str,
+                      key: str) -> dict[str, Any]:
+    """A router whose sources are pushed to it (transport event_bus) by the listener."""
+    return {"kv_cache_index": {"event_sources": [
+                {"backend_name": b, "transport": "event_bus", "reconnect_interval_ms": 100}
+                for b in backends]},
+            "dynamo": {"event_bus": {
+                "enabled": True, "listen": f"127.0.0.1:{bus_port}",
+                "tls": {"cert": cert, "key": key, "client_ca": None},
+                "brokers": [{"id": BUS_CLIENT, "role": "kv_listener",
+                             "token_hash": token_hash(BUS_TOKEN), "backends": list(backends)}]}},
+            "admin": {"listen": f"127.0.0.1:{admin_port}"},
+            "log": {"level": "info", "format": "json"}}
 
 
 @dataclass(repr=False)
@@ -282,18 +404,18 @@ class RouterView:
 class Stack:
     tmp: Path
     http: aiohttp.ClientSession
-    engines: dict[str, TruthEngine]
+    engines: dict[str, Any]  # TruthEngine | TrtllmTruthEngine
     listener: Daemon
     views: dict[str, StreamView]
     routers: list[RouterView]
     redis: Any
-    extra_backends: list[str] = field(default_factory=list)
+    bus_port: int | None = None
 
     @property
     def base(self) -> str:
         return self.listener.base
 
-    def engine(self, name: str) -> TruthEngine:
+    def engine(self, name: str) -> Any:
         return self.engines[name]
 
     async def restart_views(self) -> None:

@@ -63,12 +63,14 @@ class Daemon:
         assert self.proc is not None and self.proc.stderr is not None and self._loop is not None
         for raw in self.proc.stderr:
             line = raw.strip()
-            if not line.startswith("{"):
-                continue
             try:
-                rec = json.loads(line)
+                rec = json.loads(line) if line.startswith("{") else None
             except ValueError:
-                continue
+                rec = None
+            if not isinstance(rec, dict):  # a plain line (a fatal error): kept for messages
+                if not line:
+                    continue
+                rec = {"event": "plain_line", "line": line[:500]}
             self._loop.call_soon_threadsafe(self._lines.put_nowait, rec)
         self._loop.call_soon_threadsafe(self._lines.put_nowait, None)
 
