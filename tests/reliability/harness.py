@@ -281,7 +281,7 @@ class TrtllmTruthEngine:
 
     def serve(self, msgs: Sequence[Mapping[str, Any]], output_tokens: int = 0, *,
               lost: bool = False) -> None:
-        rng = random.Random(len(msgs[-1]["content"]))  # noqa: S311 - simulated output tokens
+        rng = random.Random(len(msgs[-1]["content"]))
         self.core.serve(render_chat(TOKENIZER, msgs),
                         [rng.randrange(3, len(TOKENIZER)) for _ in range(output_tokens)])
         self.publish_step(lost=lost)

@@ -58,11 +58,11 @@ async def test_trtllm_endpoint_flapping(trt_stack: Stack) -> None:
 async def test_trtllm_endpoint_restarting(trt_stack: Stack) -> None:
     t = trt(trt_stack)
     t.traffic(5, seed=100)
-    running = t._running  # noqa: SLF001 - the server process going away and coming back
+    running = t._running
     assert running is not None
     await running.close()  # connection refused for a moment, events still queued
     t.traffic(5, seed=101)
-    t._running = await t.server.serve(port=t.port)  # noqa: SLF001
+    t._running = await t.server.serve(port=t.port)
     await trt_stack.converge()
     assert ENGINE_DOWN_AFTER_S >= 3.0  # the outage above was shorter: no engine_down clear
 
