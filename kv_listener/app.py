@@ -39,6 +39,7 @@ from kv_listener.core.model import (
     TransitionKind,
 )
 from kv_listener.core.salt import verify_cache_salt
+from kv_listener.core.slicing import pieces
 from kv_listener.core.tracker import Tracker, TrackerNotice
 from kv_listener.logging import apply_config_logging, get_logger
 from kv_listener.metrics import BusView, ListenerCollector, SourceView, new_registry
@@ -200,22 +201,32 @@ class SourceRuntime:
         while True:
             item = await self.queue.get()
             started = time.perf_counter()
-            transitions = self._take(item)
-            # Drain what is already queued, one publish per wake-up rather than per batch, but
-            # in bounded steps so one publish stays small next to consumers' max_lag, and so
-            # one busy source holds the loop (other sources, the HTTP server) a few ms at most.
-            n = 1
-            while not self.queue.empty() and n < PUMP_BATCHES_PER_PUBLISH and \
-                    time.perf_counter() - started < PUMP_SLICE_S:
-                transitions.extend(self._take(self.queue.get_nowait()))
+            transitions: list[PrefixTransition] = []
+            n = 0
+            while True:
+                self.stats.queued_tokens -= batch_tokens(item)
+                if isinstance(item, EventBatch):
+                    # A large batch in pieces: what the pieces so far gave is published and the
+                    # loop runs between them, so one source holds the others a few ms at most.
+                    for piece in pieces(item):
+                        if time.perf_counter() - started >= PUMP_SLICE_S:
+                            self._publish(transitions)
+                            transitions = []
+                            await asyncio.sleep(0)
+                            started = time.perf_counter()
+                        transitions.extend(self._apply(piece))
+                else:
+                    transitions.extend(self._apply(item))
                 n += 1
+                # Drain what is already queued, one publish per wake-up rather than per batch,
+                # in bounded steps so one publish stays small next to consumers' max_lag.
+                if self.queue.empty() or n >= PUMP_BATCHES_PER_PUBLISH or \
+                        time.perf_counter() - started >= PUMP_SLICE_S:
+                    break
+                item = self.queue.get_nowait()
             self.stats.queue_depth = self.queue.qsize()
             self._publish(transitions)
             await asyncio.sleep(0)  # let the streams write and the source receive in between
-
-    def _take(self, item: SourceItem) -> list[PrefixTransition]:
-        self.stats.queued_tokens -= batch_tokens(item)
-        return self._apply(item)
 
     def _apply(self, item: SourceItem) -> list[PrefixTransition]:
         try:
