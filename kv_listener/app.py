@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import random
 import signal
 import time
@@ -478,6 +479,11 @@ class Listener:
             for cfg in self.config.sources:
                 await self._start_source(cfg)
             self._start_bus()
+            # What start-up built (modules, tokenizers, templates: most of the heap) lives as
+            # long as the process: out of the cyclic collector's way, so a full collection
+            # walks the sources' state only and pauses the loop that much less.
+            gc.collect()
+            gc.freeze()
             log.info("listener_started", sources=len(self.config.sources),
                      listen=f"{self.config.listen_host}:{self.server.port}")
             await self._stop.wait()

@@ -15,6 +15,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kv_listener.core import decode
 from kv_listener.core.decode import (
     DecodedBatch,
     DecodedTrtllm,
@@ -249,3 +250,40 @@ def test_trtllm_mutated_golden_bodies(index: int, data: st.DataObject) -> None:
         else:
             body[pos:pos] = data.draw(st.sampled_from([b"1", b"-", b"null", b",", b'"x"']))
     decode_trtllm_or_error(bytes(body))
+
+
+# --- stepwise unpacking (large payloads, issue #11 finding 4) --------------------------------
+
+msgpack_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1),
+              st.floats(allow_nan=False), st.text(max_size=20), st.binary(max_size=20)),
+    lambda inner: st.one_of(st.lists(inner, max_size=30),
+                            st.dictionaries(st.text(max_size=6), inner, max_size=6)),
+    max_leaves=200,
+)
+
+
+def outcome(payload: bytes, cap: int) -> Any:
+    try:
+        return ("ok", decode._unpack(payload, cap))
+    except DecodeError as exc:
+        return ("drop", exc.reason)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=msgpack_values, cut=st.integers(0, 64), tail=st.binary(max_size=3),
+       step=st.integers(1, 40), cap=st.sampled_from([4, 30, 1000]))
+def test_stepwise_unpacking_equals_unpackb(value: Any, cut: int, tail: bytes, step: int,
+                                           cap: int) -> None:
+    # Unpacked in steps of `step` bytes (the daemon uses 64 KiB for payloads above it) the
+    # result, or the drop reason, is exactly unpackb's, for whole, truncated and padded input.
+    whole = msgpack.packb(value, use_bin_type=True)
+    for payload in (whole, whole[: max(0, len(whole) - cut)], whole + tail):
+        expected = outcome(payload, cap)
+        saved = decode.UNPACK_STEP_BYTES
+        decode.UNPACK_STEP_BYTES = step
+        try:
+            got = outcome(payload, cap)
+        finally:
+            decode.UNPACK_STEP_BYTES = saved
+        assert got == expected
