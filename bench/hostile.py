@@ -5,15 +5,17 @@ never answers (so every unsalted chain stays pending), and small limits
 (`max_tracked_blocks: 20000`, `max_retained_tokens: 1000000`). Phases, each followed by a probe
 batch that must still come through (the daemon is alive and in order):
 
-1. giant: a 28.6 MiB frame holding one BlockStored of 10M token IDs (dropped on receipt:
-   `message_too_large`), and the same frame again;
+1. giant: a 28.6 MiB frame holding one BlockStored of 10M token IDs (over twice
+   `max_message_bytes`: refused by libzmq, ZMQ_MAXMSGSIZE, which drops the connection; the
+   listener connects again), and the same frame again;
 2. hashes: 625,000 block hashes in one frame (dropped: `oversized_array` / `too_many_hashes`);
 3. bomb: an array32 header claiming 10M elements with no body (`oversized_array`);
 4. flood: 30,000 distinct two-block chains, each a pending chain whose request never returns.
 
 Printed: the daemon's RSS (VmRSS) and peak RSS (VmHWM) after each phase, the baseline, and the
 per-source bound the man page states (max_tracked_blocks x 250 B + max_retained_tokens x 4 B +
-32 MiB + one max_message_bytes batch). Not a test: figures, measured in one run.
+32 MiB + one frame being received, 2 x max_message_bytes, + its decoded form, at most 8 x
+max_message_bytes). Not a test: figures, measured in one run.
 
 Run: python bench/hostile.py
 """
@@ -132,7 +134,11 @@ async def main() -> None:
 
         giant = encode_vllm_batch([chain(10, 1, tokens_per_block=10_000_000)], ts=1.0)
         for _ in range(2):
+            # Over 2 x max_message_bytes: libzmq refuses it and drops the connection, which the
+            # listener opens again (a new subscription) without reading the frame whole.
+            subscribed = pub.subscribed
             pub.publish(giant)
+            await pub.wait_for_subscriber(count=subscribed + 1, timeout_s=30)
         del giant
         await probe(daemon, pub, session, 2)
         rows.append(("giant frame x2 (10M tokens)", *mem_kib(pid)))
@@ -159,7 +165,9 @@ async def main() -> None:
             st = (await resp.json())["sources"]["hostile"]
     await hung.close()
 
-    bound_mib = (MAX_BLOCKS * 250 + MAX_TOKENS * 4) / 2**20 + 32 + 2 * MAX_MESSAGE / 2**20
+    # tracker + queue and resolver budgets + one frame received (2x) + its decoded form (8x: a
+    # msgpack fixint is 1 byte, its list slot 8)
+    bound_mib = (MAX_BLOCKS * 250 + MAX_TOKENS * 4) / 2**20 + 32 + 10 * MAX_MESSAGE / 2**20
     base = rows[0][1]
     print(f"listener under a hostile publisher (limits: {MAX_BLOCKS} blocks, {MAX_TOKENS} tokens, "
           f"{MAX_MESSAGE >> 20} MiB messages)")

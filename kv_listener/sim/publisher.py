@@ -210,11 +210,16 @@ class SimPublisher:
         """Send arbitrary frames on the live socket (malformed-input tests)."""
         _send_now(self._require_pub(), frames)
 
+    @property
+    def subscribed(self) -> int:
+        """Subscribe messages seen so far (a subscriber that connects again sends another)."""
+        return sum(1 for s in self.subscriptions if s[:1] == b"\x01")
+
     async def wait_for_subscriber(self, count: int = 1, timeout_s: float = 5.0) -> None:
         """Wait until `count` subscriptions reached this publisher (so nothing published from
         now on is lost to ZMQ's slow-joiner window)."""
         async with asyncio.timeout(timeout_s):
-            while sum(1 for s in self.subscriptions if s[:1] == b"\x01") < count:
+            while self.subscribed < count:
                 self._sub_event.clear()
                 await self._sub_event.wait()
 

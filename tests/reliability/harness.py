@@ -196,7 +196,7 @@ class TruthEngine(SimEngine):
     async def revive(self) -> None:
         """A new engine process on the same ports (sequence from 0, empty buffer)."""
         self.publisher.restart()
-        subscribed = len(self.publisher.subscriptions)
+        subscribed = self.publisher.subscribed
         await self.publisher.start()
         await self.health.up()
         # XPUB_VERBOSE: the listener's SUB subscribing again on the new socket
