@@ -19,8 +19,9 @@ the prefix, sent to the least busy engine (`fallback`); the engine serves it and
 flow back through the listener into the router's index.
 
 Every `--interval` (a minute) and at the end, per process: RSS (VmRSS of /proc/PID/status), open
-file descriptors (entries of /proc/PID/fd), threads (/proc/PID/status: neither process exposes its
-number of asyncio tasks, in /stats or /metrics, so `tasks` prints n/a) and warnings in its log;
+file descriptors (entries of /proc/PID/fd), threads (/proc/PID/status), asyncio tasks
+(`process.asyncio_tasks` of the listener's /stats and the router's /admin/kv-index/stats) and
+warnings in its log;
 the listener's /stats summed over backends (blocks_tracked, tokens_retained, prefixes_live,
 history_records, events dropped, clears, gaps) and the router's index (entries, expired by TTL,
 evicted at capacity, records dropped, reconnects). When the traffic has stopped and the running
@@ -179,8 +180,6 @@ def fmt_figures(figures: dict[str, float]) -> str:
             parts.append(f"rss {value:.1f} MiB")
         else:
             parts.append(f"{name} {int(value):,}")
-        if name == "threads":
-            parts.append("tasks n/a")
     return ", ".join(parts)
 
 
@@ -379,6 +378,7 @@ class Soak:
         lst = await self.get_json(f"{self.listener_url}/stats")
         rtr = await self.get_json(f"{self.router_url}/admin/kv-index/stats")
         listener = proc_figures(self.listener.pid)
+        listener["tasks"] = lst["process"]["asyncio_tasks"]
         sources = lst["sources"].values()
         for key in ("blocks_tracked", "tokens_retained", "prefixes_live", "history_records"):
             listener[key] = sum(s[key] for s in sources)
@@ -387,6 +387,7 @@ class Soak:
         listener["gaps"] = sum(s["gaps"] for s in sources)
         listener["warnings"] = self.listener.warnings
         router = proc_figures(self.router.pid)
+        router["tasks"] = rtr["process"]["asyncio_tasks"]
         index = rtr["index"]
         router["index_entries"] = index["entry_count"]
         router["expired"] = index["total_expired"]
@@ -531,8 +532,6 @@ class Soak:
               f"({self.router_url}/admin/kv-index/stats); figures every "
               f"{fmt_elapsed(self.interval_s)}; {os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.2f}")
-        print("soak: asyncio tasks: neither process exposes a count (/stats, /metrics), so "
-              "`tasks` is n/a; `threads` is read from /proc/PID/status instead", flush=True)
 
     def _print_drift(self) -> None:
         periodic = [s for s in self.samples if s.label != "end"]

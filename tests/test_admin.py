@@ -147,6 +147,7 @@ async def test_stats_shape(admin: Admin) -> None:
         "events_dropped": 1, "last_event_at": "2026-03-13T10:24:17Z", "reconnect_count": 2}
     assert body["event_sources"][1]["last_event_at"] is None
     assert body["routing_decisions"] == {"kv_aware": 1, "fallback": 1, "total": 2}
+    assert body["process"]["asyncio_tasks"] >= 1
     assert body["query_latency_count"] == 2
     assert body["overlap_score_count"] == 1
 

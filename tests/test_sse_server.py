@@ -503,6 +503,7 @@ async def test_http_health_readiness_stats_metrics(http: Http) -> None:
     assert entry["records"] == {"cache_created": 2}
     assert entry["last_event_id"] == f"{http.hub.backend(B1).log.epoch}-2"
     assert body["streams"] == {"clients": 1, "max_sse_clients": 8, "draining": False}
+    assert body["process"]["asyncio_tasks"] >= 1  # a leak shows as a count that keeps growing
     assert f'continuum_kv_listener_sse_clients{{backend="{B1}"}} 1.0' in metrics
     assert (f'continuum_kv_listener_records_total{{backend="{B1}",event="cache_created"}} 2.0'
             in metrics)

@@ -15,6 +15,7 @@ keep-alive comments included, so a plain streaming response is byte-exact.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -181,6 +182,7 @@ def create_app(hub: StreamHub, status: ListenerStatus) -> Starlette:
             "sources": sources,
             "streams": {"clients": hub.clients, "max_sse_clients": hub.max_sse_clients,
                         "draining": hub.draining},
+            "process": {"asyncio_tasks": len(asyncio.all_tasks())},
         }
         extra = getattr(status, "extra_stats", None)  # optional: e.g. the push client's state
         if extra is not None:

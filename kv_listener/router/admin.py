@@ -18,6 +18,7 @@ when it is not a loopback address.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -114,6 +115,7 @@ def create_admin_app(
                 for st in sources()
             ],
             "routing_decisions": scorer.stats.to_json(),
+            "process": {"asyncio_tasks": len(asyncio.all_tasks())},
             "query_latency_count": scorer.stats.index_queries,
             "overlap_score_count": scorer.stats.overlap_scores,
         }
