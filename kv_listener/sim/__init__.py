@@ -4,5 +4,6 @@
 - `publisher`: a ZMQ publisher with replay that behaves like vLLM's;
 - `trtllm_server`: `trtllm-serve`'s drain-on-read `/kv_cache_events`;
 - `engine`, `workload`, `detokenize_server`: the demo's block pool, chat workload and
-  `/detokenize` endpoint.
+  `/detokenize` endpoint;
+- `server`: one `SimEngine` behind vLLM's OpenAI HTTP routes and probes, with a service-time model.
 """
