@@ -221,8 +221,11 @@ async def test_streaming_sends_the_first_token_then_decode_chunks_then_usage(
         async with session.post(server.url + "/v1/chat/completions",
                                 json=chat_body(messages, max_tokens=4, stream=True)) as resp:
             assert resp.status == 200 and resp.content_type == "text/event-stream"
+            assert resp.headers["x-engine-name"] == "vllm-1"  # for a client behind a proxy
             events = await all_data(resp)
         role, *content, last, done = events
+        rec = server.stats.records[0]
+        assert last.pop("x_sim") == {"engine": "vllm-1", "ttft_s": rec.ttft_s}
         assert done == "[DONE]"
         ids = {e["id"] for e in events[:-1]}
         assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
@@ -244,6 +247,7 @@ async def test_streaming_sends_the_first_token_then_decode_chunks_then_usage(
                 "max_tokens": 3, "stream": True}) as resp:
             events = await all_data(resp)
         *content, last, done = events
+        assert last["x_sim"]["engine"] == "vllm-1"
         assert all(c["object"] == "text_completion" and "text" in c["choices"][0]
                    for c in content)
         assert content[-1]["choices"][0]["finish_reason"] == "length"

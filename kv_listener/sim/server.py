@@ -578,7 +578,8 @@ class EngineServer:
                 "id": request_id, "object": "chat.completion" if kind == "chat"
                 else "text_completion", "created": int(time.time()), "model": self.model,
                 "choices": [_choice(kind, self._text(tokens), rec.finish_reason, delta=False)],
-                "usage": usage(rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)})
+                "usage": usage(rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens),
+                "x_sim": self._sim_fields(rec)}, headers=self._headers())
         finally:
             self._inflight.discard(task)
 
@@ -587,7 +588,7 @@ class EngineServer:
                       ) -> web.StreamResponse:
         # Headers go out at once (vLLM's StreamingResponse); the first data chunk at prefill end.
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache", **self._headers()})
         await resp.prepare(request)
         head = {"id": request_id,
                 "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -610,12 +611,22 @@ class EngineServer:
             rec = await self._run(request_id, kind, True, prompt, max_tokens, arrived_at, emit)
             # The usage chunk OpenAI sends for `stream_options.include_usage`: always here.
             await resp.write(_sse({**head, "choices": [], "usage": usage(
-                rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens)}))
+                rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens),
+                "x_sim": self._sim_fields(rec)}))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except ConnectionResetError:
             pass  # the client left; `_run` recorded the abort and freed the request
         return resp
+
+    def _headers(self) -> dict[str, str]:
+        """Which engine answered, for a benchmark behind a proxy (the peers pass it through)."""
+        return {"x-engine-name": self.engine.name}
+
+    def _sim_fields(self, rec: RequestRecord) -> dict[str, Any]:
+        """Not in vLLM's answer: the engine's name and its own TTFT (arrival -> first token, real
+        seconds), so a client behind a router can tell the router's added latency."""
+        return {"engine": self.engine.name, "ttft_s": rec.ttft_s}
 
     def _text(self, tokens: Sequence[int]) -> str:
         return str(self.engine.tokenizer.decode(list(tokens), skip_special_tokens=True))
