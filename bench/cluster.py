@@ -265,7 +265,8 @@ class KvListener(BenchSide):
         await self.router.start()
         consumers = self.router.consumers
         async with asyncio.timeout(20):
-            while not all(consumers.state(n).connected for n in self.fleet.names):
+            # the consumers expose state only: there is nothing to await
+            while not all(consumers.state(n).connected for n in self.fleet.names):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
 
     async def stop(self) -> None:
@@ -317,7 +318,7 @@ class Peer(Strategy):
 
     async def choose(self, req: Req) -> Choice:
         form = self.router.form
-        return Choice(Target(self.router.url, form.form, form.headers(req.prefix_hash)), "",
+        return Choice(Target(self.router.base_url, form.form, form.headers(req.prefix_hash)), "",
                       self.policy, 0.0)
 
 

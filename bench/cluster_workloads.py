@@ -28,7 +28,16 @@ from kv_listener.router import request_prefix_key
 
 MODEL = "demo"
 
-_WORDS = ["the", "router", "sends", "each", "request", "to", "a", "backend", "that", "already", "holds", "the", "prompt", "in", "its", "cache", "so", "prefill", "work", "falls", "and", "time", "to", "first", "token", "drops", "when", "many", "users", "share", "one", "assistant", "answer", "questions", "about", "accounts", "invoices", "outages", "deployments", "regions", "quotas", "keys", "logs", "policies", "contracts", "refunds", "upgrades", "latency", "throughput", "errors", "retries", "limits", "tokens", "blocks", "always", "cite", "the", "document", "section", "never", "invent", "numbers", "keep", "a", "friendly", "tone", "use", "short", "paragraphs", "list", "steps", "in", "order", "ask", "for", "the", "account", "id", "before", "any", "change", "escalate", "security", "issues", "explain", "trade", "offs", "summarize", "the", "context", "first", "then", "give", "the", "answer"]
+_TEXT = (
+    "the router sends each request to a backend that already holds the prompt in its cache so "
+    "prefill work falls and time to first token drops when many users share one assistant "
+    "answer questions about accounts invoices outages deployments regions quotas keys logs "
+    "policies contracts refunds upgrades latency throughput errors retries limits tokens blocks "
+    "always cite the document section never invent numbers keep a friendly tone use short "
+    "paragraphs list steps in order ask for the account id before any change escalate security "
+    "issues explain trade offs summarize the context first then give the answer"
+)
+_WORDS = _TEXT.split(" ")
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,6 +161,14 @@ async def test_probe_and_tokenizer_routes_answer_in_the_peers_shapes(
         messages = system_chat(0)
         status, chat_tok = await post(session, base + "/tokenize", {"messages": messages})
         assert status == 200 and chat_tok["tokens"] == list(render_chat(tokenizer(), messages))
+        # vLLM >= 0.20's render route, which vllm-router asks every worker before it forwards
+        for _ in range(2):  # the second answer comes from the memo: the same IDs
+            status, rendered = await post(session, base + "/v1/chat/completions/render",
+                                          chat_body(messages))
+            assert status == 200 and rendered == {"token_ids": chat_tok["tokens"]}
+        status, _ = await post(session, base + "/v1/chat/completions/render",
+                               {"model": "other", "messages": messages})
+        assert status == 404
         status, detok = await post(session, base + "/detokenize", {"tokens": tok["tokens"]})
         assert status == 200 and detok == {"prompt": "<|im_start|>user\nhi"}
 

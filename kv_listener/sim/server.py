@@ -42,7 +42,7 @@ import math
 import time
 import uuid
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,6 +62,8 @@ MAX_BODY_BYTES = 16 << 20
 #: `max_tokens` when a request gives none (vLLM defaults to the rest of the context, which
 #: would make a simulated request decode for minutes; OpenAI's legacy completions default is 16).
 DEFAULT_MAX_TOKENS = 16
+#: Chat renders memoized per server (recent bodies' messages -> prompt token IDs).
+_RENDER_CACHE = 2048
 #: Prometheus' text exposition format, as prometheus_client serves it.
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -330,6 +332,7 @@ class EngineServer:
         self._waiting: deque[_Waiter] = deque()
         self._watchers: list[asyncio.Future[None]] = []
         self._inflight: set[asyncio.Task[Any]] = set()
+        self._rendered: OrderedDict[str, array[int]] = OrderedDict()
         self._runner: web.AppRunner | None = None
 
     @property
@@ -354,6 +357,7 @@ class EngineServer:
         await self.engine.start()
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/chat/completions/render", self._chat_render)
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -640,10 +644,33 @@ class EngineServer:
         return list(ids["input_ids"])
 
     async def _render(self, messages: list[dict[str, str]]) -> array[int]:
+        # Memoized: a router that renders every request on every engine before it forwards
+        # (vllm-router's cache_aware and kv_aware, `/v1/chat/completions/render`) would
+        # otherwise spend the simulated fleet's shared CPU on the same templating N times.
+        key = json.dumps(messages, sort_keys=True)
+        cached = self._rendered.get(key)
+        if cached is not None:
+            self._rendered.move_to_end(key)
+            return cached
         try:
-            return await asyncio.to_thread(render_chat, self.engine.tokenizer, messages)
+            ids = await asyncio.to_thread(render_chat, self.engine.tokenizer, messages)
         except Exception as exc:  # the template or the tokenizer raised (jinja's TemplateError..)
             raise RequestError(400, f"chat template failed: {type(exc).__name__}") from None
+        self._rendered[key] = ids
+        if len(self._rendered) > _RENDER_CACHE:
+            self._rendered.popitem(last=False)
+        return ids
+
+    async def _chat_render(self, request: web.Request) -> web.StreamResponse:
+        """vLLM >= 0.20's `POST /v1/chat/completions/render`: the chat body's prompt token IDs,
+        without running it (vllm-router asks every worker before it forwards a chat request)."""
+        try:
+            body = await self._body(request)
+            self._check_model(body)
+            prompt = await self._render(parse_messages(body))
+        except RequestError as err:
+            return self._refuse(err)
+        return web.json_response({"token_ids": list(prompt)})
 
     # --- routes -----------------------------------------------------------------------------
 
