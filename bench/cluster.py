@@ -60,7 +60,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster_report import HEADER, RunResult, Served, row, write_json, write_plots
+from cluster_report import HEADER, RunResult, Served, read_json, row, write_json, write_plots
 from cluster_workloads import MODEL, WORKLOADS, Req
 
 from kv_listener.router.chwbl import HashRing
@@ -574,8 +574,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--json", default="")
     p.add_argument("--plots", default="", help="directory for the PNG plots")
+    p.add_argument("--plot-from", default="", help="only draw the plots of a JSON file (--plots)")
     return p.parse_args(argv)
 
 
+def replot(args: argparse.Namespace) -> int:
+    meta, results = read_json(Path(args.plot_from))
+    for p in write_plots(Path(args.plots or "."), results, float(meta["pool"])):
+        print(f"wrote {p}")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(parse_args())))
+    parsed = parse_args()
+    sys.exit(replot(parsed) if parsed.plot_from else asyncio.run(main(parsed)))

@@ -88,6 +88,11 @@ def write_json(path: Path, meta: dict[str, Any], results: list[RunResult]) -> No
                                indent=1) + "\n")
 
 
+def read_json(path: Path) -> tuple[dict[str, Any], list[RunResult]]:
+    doc = json.loads(path.read_text())
+    return doc["meta"], [RunResult(**r) for r in doc["results"]]
+
+
 def write_plots(directory: Path, results: list[RunResult], main_fraction: float) -> list[Path]:
     """Hit rate and TTFT p90 per strategy across workloads (one bar group per workload and
     concurrency), and both across pool sizes for the sweep. Returns the files written."""
@@ -113,7 +118,7 @@ def write_plots(directory: Path, results: list[RunResult], main_fraction: float)
         ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))])
         ax.set_xticklabels([f"{w}\nc={c}" for w, c in groups])
         ax.set_ylabel(label)
-        ax.legend(fontsize=7, ncol=2)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         out = directory / fname
         fig.savefig(out, dpi=110)
@@ -133,7 +138,7 @@ def write_plots(directory: Path, results: list[RunResult], main_fraction: float)
         axes[0].set_ylabel("hit rate")
         axes[1].set_xlabel("KV pool per engine / working set")
         axes[1].set_ylabel("TTFT p90 (ms)")
-        axes[0].legend(fontsize=7)
+        axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         out = directory / "cluster-pool-sweep.png"
         fig.savefig(out, dpi=110)
