@@ -3,16 +3,17 @@
 Owns the demo's process tree and its live view. Nothing leaves the machine and nothing is
 downloaded (no GPU, no model: a tiny ChatML tokenizer ships in the package):
 
-    chat workload --route--> simulated vLLM engines --ZMQ (vLLM 0.33 wire)--> listener (child
-    process: `python -m kv_listener --config <temp file>`, the real daemon) --/detokenize-->
-    tokenizer server; listener --SSE GET /events/{backend}--> router (in process: consumers ->
-    in-memory KV index -> overlap scorer) --> routing decisions for the next requests.
+    chat workload --route, POST /v1/chat/completions--> simulated vLLM engines (OpenAI servers,
+    `sim/server.py`) --ZMQ (vLLM 0.33 wire)--> listener (child process: `python -m kv_listener
+    --config <temp file>`, the real daemon) --/detokenize--> the engines; listener --SSE
+    GET /events/{backend}--> router (in process: consumers -> in-memory KV index -> overlap
+    scorer) --> routing decisions for the next requests.
 
 Each request of a seeded chat workload (a few long system prompts, many users) gets its prefix
 key the router's way; the scorer picks the backend that holds the prefix (`kv_aware`) or, when no
 backend scores above the pool threshold, the demo's default strategy picks the least-loaded
-engine (`fallback`, round-robin among equals). The chosen engine serves it from its block pool,
-which measures the prompt tokens served from its prefix cache: the ground truth behind the hit
+engine (`fallback`, round-robin among equals). The chosen engine serves it from its block pool
+and answers with `usage.prompt_tokens_details.cached_tokens`: the ground truth behind the hit
 rate (cached prompt tokens / prompt tokens, the engines' own measure, like vLLM's prefix cache
 hit rate). Its KV events flow back through the listener into the router's index.
 
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import aiohttp
 import yaml
 
 from kv_listener.config import LogConfig
@@ -57,8 +59,9 @@ from kv_listener.router.config import (
 )
 from kv_listener.router.index import InMemoryKvIndex
 from kv_listener.router.metrics import Decision
-from kv_listener.sim.detokenize_server import DetokenizeServer, tokenizer_info
-from kv_listener.sim.engine import ServeResult, SimEngine, Timing
+from kv_listener.sim.detokenize_server import tokenizer_info
+from kv_listener.sim.engine import ServeResult, SimEngine
+from kv_listener.sim.server import EngineServer, ServiceTiming
 from kv_listener.sim.workload import DEMO_MODEL, ChatRequest, ChatWorkload
 
 log = get_logger("kv_listener.demo")
@@ -67,6 +70,10 @@ PROG = "continuum-kv-listener"
 #: KV blocks per simulated engine (16 tokens each). The workload's five system prompts take
 #: about 140 blocks together: one engine can hold them all, but not with much room for the rest.
 ENGINE_BLOCKS = 256
+#: How long a simulated request takes (the pace the demo had with the engines' own Timing):
+#: 5 ms per prefill step, 0.3 ms per uncached prompt token, 3 ms per output token, real time.
+TIMING = ServiceTiming(overhead_s=0.005, prefill_s_per_token=0.0003, decode_s_per_token=0.003,
+                       time_scale=1.0)
 #: Requests per second the workload sends (Poisson arrivals), over all engines.
 REQUEST_RATE = 30.0
 #: Requests that may wait or run at once; beyond that arrivals are skipped (never queued forever).
@@ -369,7 +376,7 @@ class ListenerProcess:
         return code
 
 
-def listener_config(port: int, engines: Sequence[SimEngine], detokenize_url: str,
+def listener_config(port: int, engines: Sequence[EngineServer],
                     tokenizer_dir: str) -> dict[str, Any]:
     """The listener's YAML for the demo: one vLLM source per engine, in the usual deployment:
     the listener binds each `zmq_endpoint` (publishers checked against `allowed_publishers`)
@@ -382,11 +389,12 @@ def listener_config(port: int, engines: Sequence[SimEngine], detokenize_url: str
         "history_size": 10000,
         "update_interval": "100ms",
         "sources": [
-            {"backend_name": e.name, "engine": "vllm", "model": DEMO_MODEL,
-             "zmq_endpoint": e.endpoint, "zmq_mode": "bind",
-             "replay_endpoint": e.replay_endpoint, "detokenize_endpoint": detokenize_url,
+            {"backend_name": s.engine.name, "engine": "vllm", "model": DEMO_MODEL,
+             "zmq_endpoint": s.engine.endpoint, "zmq_mode": "bind",
+             "replay_endpoint": s.engine.replay_endpoint,
+             "detokenize_endpoint": s.url + "/detokenize",
              "tokenizer": tokenizer_dir, "allowed_publishers": ["127.0.0.1"]}
-            for e in engines
+            for s in engines
         ],
     }
 
@@ -404,9 +412,11 @@ class Demo:
         self.workload = ChatWorkload(seed=SEED)
         self.names = [f"vllm-{i + 1}" for i in range(engines)]
         self.engines: dict[str, SimEngine] = {}
+        self.servers: dict[str, EngineServer] = {}  # each engine's OpenAI server (the same
+        # simulated engine the cluster benchmark puts behind routers)
+        self.http: aiohttp.ClientSession | None = None
         self.counters = {n: BackendCounters() for n in self.names}
         self.totals = Totals()
-        self.detokenizer: DetokenizeServer | None = None
         self.listener: ListenerProcess | None = None
         self.listener_port = 0
         self.admin_port = 0
@@ -424,22 +434,21 @@ class Demo:
 
     async def setup(self, tmp: Path) -> None:
         tokenizer = await asyncio.to_thread(load_tokenizer, DEMO_TOKENIZER_DIR)
-        self.detokenizer = await DetokenizeServer(
-            tokenizer, info=tokenizer_info(DEMO_TOKENIZER_DIR)).start()
-        timing = Timing()
+        info = tokenizer_info(DEMO_TOKENIZER_DIR)
+        self.http = aiohttp.ClientSession()
         self.listener_port, *zmq_ports = free_ports(1 + len(self.names))
         for i, (name, zmq_port) in enumerate(zip(self.names, zmq_ports, strict=True)):
             # The engine connects to the address the listener will bind; ZMQ retries until it
             # does, and `wait_for_subscriber` below confirms the connection.
-            engine = SimEngine(name, tokenizer, num_blocks=ENGINE_BLOCKS, timing=timing,
+            engine = SimEngine(name, tokenizer, num_blocks=ENGINE_BLOCKS,
                                endpoint=f"tcp://127.0.0.1:{zmq_port}", mode="connect",
                                seed=SEED + i)
             self.engines[name] = engine
-            await engine.start()
+            self.servers[name] = await EngineServer(
+                engine, model=DEMO_MODEL, timing=TIMING, tokenizer_info=info).start()
         config_path = tmp / "listener.yaml"
         config_path.write_text(yaml.safe_dump(listener_config(
-            self.listener_port, list(self.engines.values()), self.detokenizer.url,
-            str(DEMO_TOKENIZER_DIR))))
+            self.listener_port, list(self.servers.values()), str(DEMO_TOKENIZER_DIR))))
         self.listener = ListenerProcess(config_path)
         await self.listener.start(LISTENER_START_TIMEOUT_S)
         try:
@@ -477,10 +486,10 @@ class Demo:
             code = await self.listener.stop(LISTENER_STOP_TIMEOUT_S, grace_s=grace)
         if self.router is not None:
             await self.router.stop()
-        for engine in self.engines.values():
-            await engine.close()
-        if self.detokenizer is not None:
-            await self.detokenizer.close()
+        for server in self.servers.values():
+            await server.close()  # closes its engine too
+        if self.http is not None:
+            await self.http.close()
         return code
 
     # --- traffic -------------------------------------------------------------------------------
@@ -510,11 +519,26 @@ class Demo:
             self.counters[backend].fallback += 1
         scorer.in_flight.start(backend)
         try:
-            result = await self.engines[backend].generate(req.messages, req.output_tokens)
+            result = await self._generate(backend, req)
         finally:
             scorer.in_flight.finish(backend)
         scorer.health.record(backend, True)
         self._served(backend, result)
+
+    async def _generate(self, backend: str, req: ChatRequest) -> ServeResult:
+        """The request through the engine's OpenAI route, as a client of vLLM sends it; the
+        engine's own usage says what its prefix cache served."""
+        assert self.http is not None
+        body = {**req.body, "max_tokens": max(1, req.output_tokens)}
+        async with self.http.post(self.servers[backend].url + "/v1/chat/completions",
+                                  json=body) as resp:
+            if resp.status != 200:
+                raise DemoError(f"{backend} answered {resp.status}: {(await resp.text())[:200]}")
+            answer = await resp.json()
+        used = answer["usage"]
+        return ServeResult(req.index, int(used["prompt_tokens"]),
+                           int(used["prompt_tokens_details"]["cached_tokens"]),
+                           int(used["completion_tokens"]))
 
     def _served(self, backend: str, result: ServeResult) -> None:
         for c in (self.counters[backend], self.totals):
@@ -570,7 +594,8 @@ class Demo:
             engine = self.engines[name]
             pool = engine.core.pool.stats()
             st = consumers.state(name)
-            backends.append(BackendRow(name, engine.running, self.counters[name], pool.cached,
+            backends.append(BackendRow(name, self.servers[name].num_running, self.counters[name],
+                                       pool.cached,
                                        pool.num_blocks, st.applied, st.connected))
         return ViewState(
             elapsed_s=elapsed, duration_s=self.duration_s, backends=tuple(backends),
