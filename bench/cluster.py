@@ -32,7 +32,8 @@ of the workload's prompts); then a sweep of the pool from 25% to 200% for `chat`
 Figures per run: hit rate (cached / prompt tokens), prefill tokens computed, TTFT p50 / p90 /
 p99 as the client sees it (request sent -> first streamed chunk), load imbalance (max / mean
 requests per engine), decisions, and the router's added latency per request (bench-side
-decision time, or for a proxy its TTFT minus the engine's own). Output: a table on stdout, a
+decision time; for a proxy, its TTFT minus the engine's own, over the same for round robin,
+which goes to the engine directly). Output: a table on stdout, a
 JSON file (`--json`), PNG plots (`--plots DIR`, needs matplotlib: `pip install -e '.[bench]'`).
 
 Run: python bench/cluster.py [--engines 4] [--requests 240] [--json FILE] [--plots DIR]
@@ -60,7 +61,16 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cluster_report import HEADER, RunResult, Served, read_json, row, write_json, write_plots
+from cluster_report import (
+    HEADER,
+    RunResult,
+    Served,
+    read_json,
+    row,
+    settle_added,
+    write_json,
+    write_plots,
+)
 from cluster_workloads import MODEL, WORKLOADS, Req
 
 from kv_listener.router.chwbl import HashRing
@@ -538,6 +548,7 @@ async def main(args: argparse.Namespace) -> int:
                     r = await run_strategy(s, makers[s], w, reqs, c, fraction, blocks, args,
                                            tokenizer, http)
                     results.append(r)
+                    settle_added(results)
                     print(row(r), flush=True)
     meta = {"engines": args.engines, "requests": args.requests, "seed": args.seed,
             "pool": args.pool, "max_num_seqs": args.max_num_seqs, "peers": notes,

@@ -39,7 +39,10 @@ class RunResult:
     ttft_p99_ms: float = 0.0
     imbalance: float = 0.0  # max / mean requests per engine
     decisions: dict[str, int] = field(default_factory=dict)
-    router_added_ms: float = 0.0  # mean per request: decision time, or proxy overhead
+    decide_ms: float = 0.0  # mean per request: the bench-side router's decision time
+    transit_ms: float = 0.0  # mean client TTFT minus the engine's own TTFT (a proxy's hop, the
+    # client's and engines' shared loop); a proxy adds what it shows over round robin's
+    router_added_ms: float = 0.0  # decide_ms, or for a proxy transit_ms - round robin's
     wall_s: float = 0.0
     note: str = ""
 
@@ -59,9 +62,21 @@ class RunResult:
         counts = [per.get(e, 0) for e in engines]
         self.imbalance = max(counts) / statistics.mean(counts) if any(counts) else 0.0
         self.decisions = dict(Counter(s.decision for s in served))
-        added = [s.decide_s + (s.ttft_s - s.engine_ttft_s if s.engine_ttft_s is not None else 0.0)
-                 for s in served]
-        self.router_added_ms = statistics.mean(added) * 1e3
+        self.decide_ms = statistics.mean(s.decide_s for s in served) * 1e3
+        transit = [s.ttft_s - s.engine_ttft_s for s in served if s.engine_ttft_s is not None]
+        self.transit_ms = statistics.mean(transit) * 1e3 if transit else 0.0
+        self.router_added_ms = self.decide_ms
+
+
+def settle_added(results: list[RunResult]) -> None:
+    """A proxy's added latency: its transit over round robin's (direct to the engine) in the
+    same workload, concurrency and pool."""
+    direct = {(r.workload, r.concurrency, r.pool_fraction): r.transit_ms for r in results
+              if r.strategy == "round_robin" and r.requests}
+    for r in results:
+        key = (r.workload, r.concurrency, r.pool_fraction)
+        if ":" in r.strategy and key in direct and r.requests:
+            r.router_added_ms = max(0.0, r.transit_ms - direct[key])
 
 
 def _pct(ordered: list[float], q: float) -> float:
