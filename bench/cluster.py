@@ -14,6 +14,9 @@ strategy, with the engines' caches emptied between runs:
   (in this process) consumes its SSE streams into its in-memory KV index and scores backends
   with the seed's pool threshold; CHWBL when the scorer does not choose. The routing runs in the
   bench process: its decision time is reported as `added ms`;
+- `kv_listener_bounded`: the same with one change this benchmark proposes (not the seed's
+  pipeline): a holder already at CHWBL's load bound does not take the request, the ring places
+  it, so a hot prefix warms a second engine instead of queueing on its only holder;
 - `oracle`: asks every engine how many tokens of the request's exact prompt it holds and how
   busy it is, and picks the lowest expected TTFT (cache and queue known exactly: an upper bound
   no router reaches);
@@ -78,7 +81,7 @@ from tests.conftest import free_port
 
 CONCURRENCIES = (1, 16)
 SWEEP = (0.25, 0.5, 1.0, 2.0)
-BENCH_STRATEGIES = ("round_robin", "chwbl", "kv_listener", "oracle")
+BENCH_STRATEGIES = ("round_robin", "chwbl", "kv_listener", "kv_listener_bounded", "oracle")
 REQUEST_TIMEOUT_S = 120.0
 
 
@@ -285,12 +288,19 @@ class KvListener(BenchSide):
         if self.daemon is not None:
             await self.daemon.stop()
 
+    #: The seed's pipeline as is (False), or a proposal (True): a holder already at CHWBL's load
+    #: bound does not take the request; the ring places it, so a hot prefix warms a second
+    #: engine instead of queueing on its only holder (the seed scores holders only, and a
+    #: holder's score never drops under the pool threshold however loaded it is).
+    bounded = False
+
     async def choose(self, req: Req) -> Choice:
         t0 = time.perf_counter()
         scorer = self.router.scorer
         if req.prefix_hash is not None:
             sel = await scorer.select(req.prefix_hash, self.fleet.names)
-            if sel.backend is not None:
+            if sel.backend is not None and not (
+                    self.bounded and self.in_flight[sel.backend] + 1 > self.ring.bound(self.in_flight)):
                 scorer.in_flight.start(sel.backend)
                 return self._go(sel.backend, "kv_aware", t0)
         c = self.ring.select(req.prefix_key, self.in_flight, MODEL)
@@ -301,6 +311,13 @@ class KvListener(BenchSide):
         super().finished(choice, served_by)
         self.router.scorer.in_flight.finish(choice.engine)
         self.router.scorer.health.record(choice.engine, True)
+
+
+class KvListenerBounded(KvListener):
+    """`kv_listener` with the load bound proposal (see `KvListener.bounded`); not the seed's."""
+
+    name = "kv_listener_bounded"
+    bounded = True
 
 
 class Peer(Strategy):
@@ -479,6 +496,7 @@ def strategy_makers(args: argparse.Namespace, workdir: Path, installs: dict[str,
     makers: dict[str, Callable[[Fleet], Strategy]] = {
         "round_robin": RoundRobin, "chwbl": Chwbl, "oracle": Oracle,
         "kv_listener": lambda f: KvListener(f, workdir),
+        "kv_listener_bounded": lambda f: KvListenerBounded(f, workdir),
     }
     for peer, install in installs.items():
         import peer_routers as pr  # noqa: PLC0415 - only with peers
