@@ -86,14 +86,24 @@ async def start_stack(tmp: Path, cleanup: contextlib.AsyncExitStack,
     return stack
 
 
+@contextlib.asynccontextmanager
+async def running_stack(tmp: Path, **kwargs: Any
+                        ) -> AsyncIterator[tuple[Stack, contextlib.AsyncExitStack]]:
+    """`start_stack` whose whole pipeline (the SSE views of the moment included) is stopped on
+    exit; the caller may add to the exit stack and must converge once its setup is done."""
+    async with contextlib.AsyncExitStack() as cleanup:
+        st = await start_stack(tmp, cleanup, **kwargs)
+
+        async def close_views() -> None:
+            for v in st.views.values():  # restart_views may have replaced the first ones
+                await v.close()
+
+        cleanup.push_async_callback(close_views)
+        yield st, cleanup
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    tmp = tmp_path_factory.mktemp("reliability")
-    async with contextlib.AsyncExitStack() as cleanup:
-        st = await start_stack(tmp, cleanup)
+    async with running_stack(tmp_path_factory.mktemp("reliability")) as (st, _):
         await st.converge()
-        try:
-            yield st
-        finally:
-            for v in st.views.values():
-                await v.close()
+        yield st

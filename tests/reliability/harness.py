@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +132,40 @@ class Health:
             self._runner = None
 
 
-class TruthEngine(SimEngine):
+class Truthful:
+    """What both simulated engines share: traffic, and their oracle kept to the pool's truth.
+    A subclass has `core` (the pool), `truth` (the oracle), `exact`, `name` and `serve()`."""
+
+    name: str
+    core: EngineCore
+    truth: EngineTruth
+    exact: bool
+
+    serve: Callable[..., Any]  # (messages, output_tokens): each engine's own
+
+    def chat(self, system: int, user: int, output_tokens: int = 8) -> None:
+        self.serve(messages(system, user), output_tokens)
+
+    def traffic(self, n: int, *, systems: int = 10, seed: int = 0, first: int = 0) -> None:
+        """`n` requests over system prompts `first`..`first + systems - 1`, each served and
+        published at once (a system prompt never seen before needs the listener's resolver)."""
+        for i in range(n):
+            self.chat(first + (seed * 7 + i * 3) % systems, seed * 1000 + i, 4 + i % 9)
+
+    def forget(self) -> None:
+        """What the listener lost for good (a gap nothing covers): the truth it can reach is
+        what the engine stores from now on."""
+        self.truth.clear()
+        self.exact = False
+
+    def check_truth(self) -> None:
+        """The oracle holds exactly the blocks the pool caches (so `truth` *is* the engine)."""
+        held, cached = self.truth.held, len(self.core.pool.cached_hashes())
+        if self.exact and held != cached:
+            raise AssertionError(f"{self.name}: oracle holds {held} blocks, pool {cached}")
+
+
+class TruthEngine(Truthful, SimEngine):
     """A simulated vLLM whose every published batch also feeds its oracle (`truth`), before any
     fault can hide it from the listener."""
 
@@ -169,15 +202,6 @@ class TruthEngine(SimEngine):
         self.last_publish = time.monotonic()
         return seq
 
-    def chat(self, system: int, user: int, output_tokens: int = 8) -> None:
-        self.serve(messages(system, user), output_tokens)
-
-    def traffic(self, n: int, *, systems: int = 10, seed: int = 0, first: int = 0) -> None:
-        """`n` requests over system prompts `first`..`first + systems - 1`, each served and
-        published at once (a system prompt never seen before needs the listener's resolver)."""
-        for i in range(n):
-            self.chat(first + (seed * 7 + i * 3) % systems, seed * 1000 + i, 4 + i % 9)
-
     def restart(self) -> None:
         """The engine process restarted: an empty cache, the sequence from 0, no buffer."""
         self.core = EngineCore(POOL_BLOCKS, BLOCK_SIZE)
@@ -202,21 +226,8 @@ class TruthEngine(SimEngine):
         # XPUB_VERBOSE: the listener's SUB subscribing again on the new socket
         await self.publisher.wait_for_subscriber(count=subscribed + 1, timeout_s=10)
 
-    def forget(self) -> None:
-        """What the listener lost for good (a gap no replay covers): the truth it can reach is
-        what the engine stores from now on."""
-        self.truth.clear()
-        self.exact = False
 
-    def check_truth(self) -> None:
-        """The oracle holds exactly the blocks the pool caches (so `truth` *is* the engine)."""
-        held = self.truth.held
-        cached = len(self.core.pool.cached_hashes())
-        if self.exact and held != cached:
-            raise AssertionError(f"{self.name}: oracle holds {held} blocks, pool {cached}")
-
-
-class TrtllmTruthEngine:
+class TrtllmTruthEngine(Truthful):
     """A simulated TensorRT-LLM engine: the same block pool as `TruthEngine`, its events served
     by `trtllm-serve`'s drain-on-read `POST /kv_cache_events` (the project's `SimTrtllmServer`
     on a fixed port), each event folded into the oracle as it is queued."""
@@ -285,22 +296,6 @@ class TrtllmTruthEngine:
         self.core.serve(render_chat(TOKENIZER, msgs),
                         [rng.randrange(3, len(TOKENIZER)) for _ in range(output_tokens)])
         self.publish_step(lost=lost)
-
-    def chat(self, system: int, user: int, output_tokens: int = 8) -> None:
-        self.serve(messages(system, user), output_tokens)
-
-    def traffic(self, n: int, *, systems: int = 10, seed: int = 0, first: int = 0) -> None:
-        for i in range(n):
-            self.chat(first + (seed * 7 + i * 3) % systems, seed * 1000 + i, 4 + i % 9)
-
-    def forget(self) -> None:
-        self.truth.clear()
-        self.exact = False
-
-    def check_truth(self) -> None:
-        held, cached = self.truth.held, len(self.core.pool.cached_hashes())
-        if self.exact and held != cached:
-            raise AssertionError(f"{self.name}: oracle holds {held} blocks, pool {cached}")
 
 
 # --- the listener and the routers --------------------------------------------------------------

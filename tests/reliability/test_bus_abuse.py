@@ -19,7 +19,7 @@ import hyperframe.frame
 import pytest
 import pytest_asyncio
 
-from tests.reliability.conftest import start_stack
+from tests.reliability.conftest import running_stack
 from tests.reliability.harness import BUS_TOKEN, Stack
 from tests.support.bus import client_context, h2_connection, hello, post
 from tests.support.tls import TlsMaterial
@@ -34,14 +34,9 @@ async def bus_stack(tmp_path_factory: pytest.TempPathFactory
                     ) -> AsyncIterator[tuple[Stack, TlsMaterial]]:
     tmp: Path = tmp_path_factory.mktemp("bus")
     tls = TlsMaterial.create(tmp / "tls")
-    async with contextlib.AsyncExitStack() as cleanup:
-        st = await start_stack(tmp, cleanup, bus=tls)
+    async with running_stack(tmp, bus=tls) as (st, _):
         await st.converge()
-        try:
-            yield st, tls
-        finally:
-            for v in st.views.values():
-                await v.close()
+        yield st, tls
 
 
 def bus_router_pid(stack: Stack) -> int:

@@ -6,7 +6,6 @@ and its memory must stay within the documented bound."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 from array import array
 from collections.abc import AsyncIterator
@@ -19,7 +18,7 @@ from kv_listener.core.model import BlockRemoved, BlockStored
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
 from tests.conftest import free_port
-from tests.reliability.conftest import start_stack
+from tests.reliability.conftest import running_stack
 from tests.reliability.harness import Stack
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
@@ -38,17 +37,12 @@ async def hostile_stack(tmp_path_factory: pytest.TempPathFactory
                       "zmq_endpoint": f"tcp://127.0.0.1:{HOSTILE_PORT}", "zmq_mode": "bind",
                       "allowed_publishers": ["127.0.0.1"], "limits": HOSTILE_LIMITS,
                       "engine_down_after": None}
-    async with contextlib.AsyncExitStack() as cleanup:
-        st = await start_stack(tmp, cleanup, [hostile_source])
+    async with running_stack(tmp, extra_sources=[hostile_source]) as (st, cleanup):
         pub = await cleanup.enter_async_context(
             SimPublisher(f"tcp://127.0.0.1:{HOSTILE_PORT}", mode="connect"))
         await pub.wait_for_subscriber()
         await st.converge()
-        try:
-            yield st, pub
-        finally:
-            for v in st.views.values():
-                await v.close()
+        yield st, pub
 
 
 def stored(hashes: tuple[int, ...], parent: int | None, n_tokens: int, block_size: int = 16,

@@ -4,14 +4,12 @@ the convergence check (the TRT-LLM engine's pool == oracle == listener stream ==
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
-from tests.reliability.conftest import start_stack
+from tests.reliability.conftest import running_stack
 from tests.reliability.harness import ENGINE_DOWN_AFTER_S, Stack, TrtllmTruthEngine
 from tests.reliability.harness import messages as messages_of
 
@@ -20,15 +18,9 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def trt_stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Stack]:
-    tmp: Path = tmp_path_factory.mktemp("trtllm")
-    async with contextlib.AsyncExitStack() as cleanup:
-        st = await start_stack(tmp, cleanup, trtllm=True)
+    async with running_stack(tmp_path_factory.mktemp("trtllm"), trtllm=True) as (st, _):
         await st.converge()
-        try:
-            yield st
-        finally:
-            for v in st.views.values():
-                await v.close()
+        yield st
 
 
 def trt(stack: Stack) -> TrtllmTruthEngine:
