@@ -150,14 +150,36 @@ class Stack:
         test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
         self.backend(backend).origin.setdefault(k, f"sent by {test}")
 
-    async def settle(self, *names: str, marks: dict[str, int] | None = None) -> None:
-        """Converge, then check every `cache_created` since `marks` against the keys sent."""
+    async def settle(self, *names: str, marks: dict[str, int] | None = None,
+                     holds: dict[str, list[str]] | None = None) -> None:
+        """Converge, then check every `cache_created` since `marks` against the keys sent.
+        `holds`: keys each engine must have announced first. vLLM publishes a step's events
+        from its own thread, so the response can come back before they reach the tap; quiet
+        would then be judged on the state before the request (seen once in CI)."""
+        for name, keys in (holds or {}).items():
+            await self.until_announced(name, keys)
         await converge(self.pairs(*names))
         for name, mark in (marks or {}).items():
             for rec in self.view(name).since(mark, "cache_created"):
                 assert rec.data["prefix_hash"] in self.sent[name], (
                     f"{name}: cache_created for {rec.data['prefix_hash'][:16]}, the key of no "
                     f"request sent to it")
+
+    async def until_announced(self, name: str, keys: list[str], timeout_s: float = 30.0) -> None:
+        b = self.backend(name)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            b.feed()
+            held = b.truth.expected()
+            missing = [k for k in keys if k not in held]
+            if not missing:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"{name}: the engine announced no blocks of "
+                                     f"{[k[:16] for k in missing]} [{b.truth.note(missing[0])}]")
+            seen = b.tap.count()
+            await asyncio.to_thread(b.tap.wait_count, seen + 1, min(left, 1.0))
 
     def pairs(self, *names: str) -> list[tuple[Backend, StreamView]]:
         names = names or ("vllm-1", "vllm-2")
@@ -304,8 +326,8 @@ async def test_long_system_prompt_same_key_on_both_backends(stack: Stack) -> Non
     marks = stack.marks()
     body = await stack.chat("vllm-1", messages)
     await stack.chat("vllm-2", messages)
-    await stack.settle(marks=marks)
     k = key_of(body)
+    await stack.settle(marks=marks, holds={"vllm-1": [k], "vllm-2": [k]})
     for name in ("vllm-1", "vllm-2"):
         assert k in stack.view(name).state, f"{name} does not show the request's key"
         created = stack.view(name).since(marks[name], "cache_created")
@@ -361,7 +383,7 @@ async def test_developer_as_first_role(stack: Stack) -> None:
                 {"role": "user", "content": text(8, 10)}]
     marks = stack.marks()
     body = await stack.chat("vllm-1", messages)
-    await stack.settle("vllm-1", marks=marks)
+    await stack.settle("vllm-1", marks=marks, holds={"vllm-1": [key_of(body)]})
     assert key_of(body) in stack.view("vllm-1").state
 
 
@@ -372,7 +394,7 @@ async def test_no_system_prompt_first_message_rule(stack: Stack) -> None:
     marks = stack.marks()
     b1 = await stack.chat("vllm-1", short)
     b2 = await stack.chat("vllm-1", long)
-    await stack.settle("vllm-1", marks=marks)
+    await stack.settle("vllm-1", marks=marks, holds={"vllm-1": [key_of(b1), key_of(b2)]})
     for body in (b1, b2):
         assert key_of(body) in stack.view("vllm-1").state
 
