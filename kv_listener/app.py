@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gc
 import random
 import signal
@@ -39,7 +38,7 @@ from kv_listener.core.model import (
     SourceItem,
     TransitionKind,
 )
-from kv_listener.core.salt import verify_cache_salt
+from kv_listener.core.salt import SaltVerifier
 from kv_listener.core.slicing import pieces
 from kv_listener.core.tracker import Tracker, TrackerNotice
 from kv_listener.logging import apply_config_logging, get_logger
@@ -130,7 +129,7 @@ class SourceRuntime:
     def _new_tracker(self, *, can_detokenize: bool) -> Tracker:
         verifier = None
         if self._salt_secret is not None:
-            verifier = functools.partial(verify_cache_salt, self._salt_secret, self.cfg.backend_name)
+            verifier = SaltVerifier(self._salt_secret, self.cfg.backend_name)
         return Tracker(engine=self.cfg.engine, model=self.cfg.model, limits=self.cfg.limits,
                        salt_verifier=verifier, can_detokenize=can_detokenize)
 

@@ -7,7 +7,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kv_listener.core.prefix import prefix_key
-from kv_listener.core.salt import SALT_LENGTH, SALT_PREFIX, issue_cache_salt, verify_cache_salt
+from kv_listener.core.salt import (
+    SALT_LENGTH,
+    SALT_PREFIX,
+    SaltVerifier,
+    issue_cache_salt,
+    verify_cache_salt,
+)
 
 SECRET = b"s3cret"
 _key = prefix_key("meta-llama/Llama-3.1-8B-Instruct", "You are a helpful assistant.", None)
@@ -89,6 +95,29 @@ def test_round_trip_and_binding(secret: bytes, backend: str, key: bytes) -> None
     assert verify_cache_salt(secret, backend, salt) == key
     assert verify_cache_salt(secret, backend + "x", salt) is None
     assert verify_cache_salt(secret + b"x", backend, salt) is None
+
+
+@given(st.binary(min_size=32, max_size=32), st.integers(0, SALT_LENGTH - 1),
+       st.sampled_from("0123456789abcdefABCDEF:g\n가"))
+def test_the_bound_verifier_agrees_with_verify_cache_salt(key: bytes, pos: int, ch: str) -> None:
+    """The listener's verifier (precomputed HMAC head, remembered salts) answers exactly as the
+    reference function, for valid salts and salts with one character changed, asked twice."""
+    verifier = SaltVerifier(SECRET, "vllm-1", cache_size=8)
+    good = issue_cache_salt(SECRET, "vllm-1", key)
+    bad = good[:pos] + ch + good[pos + 1:]
+    for salt in (good, bad, good, bad, good + "\n", VECTOR):
+        assert verifier(salt) == verify_cache_salt(SECRET, "vllm-1", salt)
+    assert verifier(None) is None  # type: ignore[arg-type]
+    assert SaltVerifier(SECRET, "vllm-2")(good) is None
+
+
+def test_the_verifier_cache_is_bounded() -> None:
+    verifier = SaltVerifier(SECRET, "vllm-1", cache_size=16)
+    salts = [issue_cache_salt(SECRET, "vllm-1", bytes([i]) * 32) for i in range(100)]
+    for i, salt in enumerate(salts):
+        assert verifier(salt) == bytes([i]) * 32
+        assert len(verifier._cache) <= 16
+    assert verifier(salts[-1]) == bytes([99]) * 32
 
 
 def test_router_module_exports_the_salt_and_key_functions() -> None:

