@@ -15,8 +15,9 @@ and goes inside one big batch may show as created then evicted instead of nothin
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
+
+import msgspec
 
 from kv_listener.core.model import BlockRemoved, BlockStored, EventBatch, KvEvent
 
@@ -41,7 +42,7 @@ def _cut_stored(ev: BlockStored, size: int) -> Iterator[BlockStored]:
     parent = ev.parent_hash
     for i in range(0, len(hashes), size):
         j = min(i + size, len(hashes))
-        yield dataclasses.replace(
+        yield msgspec.structs.replace(
             ev, block_hashes=hashes[i:j], parent_hash=parent, token_ids=ev.token_ids[i * bs:j * bs],
             extra_keys=None if ev.extra_keys is None else ev.extra_keys[i:j])
         parent = hashes[j - 1]
@@ -49,7 +50,7 @@ def _cut_stored(ev: BlockStored, size: int) -> Iterator[BlockStored]:
 
 def _cut_removed(ev: BlockRemoved, size: int) -> Iterator[BlockRemoved]:
     for i in range(0, len(ev.block_hashes), size):
-        yield dataclasses.replace(ev, block_hashes=ev.block_hashes[i:i + size])
+        yield msgspec.structs.replace(ev, block_hashes=ev.block_hashes[i:i + size])
 
 
 def pieces(batch: EventBatch, size: int = PIECE_BLOCKS) -> Iterator[EventBatch]:
@@ -73,9 +74,9 @@ def pieces(batch: EventBatch, size: int = PIECE_BLOCKS) -> Iterator[EventBatch]:
         for part in parts:
             w = _weight(part)
             if current and weight + w > size:
-                yield dataclasses.replace(batch, events=tuple(current))
+                yield msgspec.structs.replace(batch, events=tuple(current))
                 current, weight = [], 0
             current.append(part)
             weight += w
     if current:
-        yield dataclasses.replace(batch, events=tuple(current))
+        yield msgspec.structs.replace(batch, events=tuple(current))

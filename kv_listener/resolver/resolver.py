@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from array import array
 from collections import Counter
@@ -38,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 import structlog
 
 from kv_listener.config import SourceConfig
@@ -294,7 +294,7 @@ class ChainResolver:
         if len(req.tokens) > self.max_decode_tokens + 1:
             # Only the first max_decode_tokens are ever decoded (one more keeps it "capped"): a
             # queued request holds no more than that (a 16k-token chain would hold 64 KiB).
-            req = dataclasses.replace(req, tokens=req.tokens[: self.max_decode_tokens + 1])
+            req = msgspec.structs.replace(req, tokens=req.tokens[: self.max_decode_tokens + 1])
         n = len(req.tokens)
         if len(self._heads) >= self.max_backlog + self.max_concurrency or \
                 (self._heads and self._held_tokens + n > self.max_backlog_tokens):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -406,10 +406,9 @@ def _jsonable(value: Any) -> Any:
 
 def event_to_jsonable(ev: KvEvent) -> dict[str, Any]:
     """Every field of a model event as JSON values (tuples/arrays -> lists, bytes -> hex)."""
-    assert is_dataclass(ev)
     out: dict[str, Any] = {"type": type(ev).__name__}
-    for f in fields(ev):
-        out[f.name] = _jsonable(getattr(ev, f.name))
+    for name in ev.__struct_fields__:
+        out[name] = _jsonable(getattr(ev, name))
     return out
 
 
