@@ -22,6 +22,7 @@ from kv_listener.core.sse import (
     encode_record,
     encode_records,
     parse_sse,
+    record_data,
 )
 
 H = "6b913e22b32520efcfc547b83f6b5df8c006788e9a691b16b94d3f86352e4afb"
@@ -196,3 +197,27 @@ def test_round_trip_any_chunking(records: list[Record], cuts: list[int]) -> None
             assert list(data) == ["event", "backend", "prefix_hash", "token_count", "tier", "ts"]
             assert r.tier is not None
             assert (data["token_count"], data["tier"]) == (r.token_count, r.tier.value)
+
+
+odd_records_st = st.builds(
+    Record,
+    id=st.one_of(st.none(), st.text(max_size=12).filter(lambda s: "\n" not in s and "\r" not in s)),
+    event=st.sampled_from(list(RecordEvent)),
+    backend=st.text(max_size=12),
+    prefix_hash=st.one_of(st.none(), st.text(max_size=70),
+                          st.from_regex(r"[0-9a-f]{64}", fullmatch=True)),
+    token_count=st.one_of(st.none(), st.booleans(), st.integers(-5, 1 << 70)),
+    tier=st.one_of(st.none(), st.sampled_from(list(Tier))),
+    ts=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 1 << 40)),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(odd_records_st)
+def test_direct_encoding_writes_exactly_what_json_dumps_writes(r: Record) -> None:
+    """The hot path writes the JSON by hand; whatever a record holds (odd backends, prefixes
+    that need escaping or are None, bools, huge ints, NaN, int timestamps), the bytes are
+    those of `json.dumps` of `record_data`."""
+    data = json.dumps(record_data(r), separators=(",", ":"))
+    head = f"id: {r.id}\n" if r.id is not None else ""
+    assert encode_record(r) == f"{head}event: {r.event.value}\ndata: {data}\n\n".encode()

@@ -28,10 +28,10 @@ import json
 from array import array
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import msgspec
 
 from kv_listener.core.model import (
     MEDIUM_GPU,
@@ -94,8 +94,7 @@ class DecodeError(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class DecodedBatch:
+class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
     """One decoded vLLM/SGLang batch.
 
     `raw_events` is the number of events on the wire (decoded + dropped); `drops` maps a
@@ -108,8 +107,7 @@ class DecodedBatch:
     drops: Counter[str]
 
 
-@dataclass(frozen=True, slots=True)
-class TrtllmRecord:
+class TrtllmRecord(msgspec.Struct, frozen=True, gc=False):
     """One record of a TRT-LLM `/kv_cache_events` response.
 
     `events` is empty when the record's `data` was dropped (malformed, unknown type, an `updated`
@@ -123,8 +121,7 @@ class TrtllmRecord:
     events: tuple[KvEvent, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class DecodedTrtllm:
+class DecodedTrtllm(msgspec.Struct, frozen=True, gc=False):
     """A decoded TRT-LLM body: records in wire order, `raw_events` records on the wire."""
 
     records: tuple[TrtllmRecord, ...]

@@ -20,7 +20,8 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 
@@ -44,8 +45,7 @@ class ResyncReason(enum.StrEnum):
     AHEAD = "ahead"  # newer than anything this log produced
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(msgspec.Struct, frozen=True, gc=False):
     """One record of a backend's stream. `id` is None for the unnumbered records of a resync.
 
     `prefix_hash` is None for `cache_cleared`; `token_count` and `tier` are None for
@@ -61,8 +61,7 @@ class Record:
     ts: float
 
 
-@dataclass(frozen=True, slots=True)
-class Replay:
+class Replay(msgspec.Struct, frozen=True, gc=False):
     """Answer to `EventLog.since()`: the records to send before live ones.
 
     `resync` is None for a plain replay (possibly empty: the consumer is up to date), else why a
@@ -73,8 +72,7 @@ class Replay:
     resync: ResyncReason | None
 
 
-@dataclass(slots=True)
-class _Pending:
+class _Pending(msgspec.Struct, gc=False):
     token_count: int
     tier: Tier
     due: float

@@ -43,6 +43,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import msgspec
+
 from kv_listener.core.decode import DropReason
 from kv_listener.core.model import (
     CacheCreated,
@@ -125,8 +127,7 @@ class SeqAction(enum.StrEnum):
     RESTART = "restart"  # the sequence went backwards: clear, then apply it
 
 
-@dataclass(frozen=True, slots=True)
-class SeqDecision:
+class SeqDecision(msgspec.Struct, frozen=True, gc=False):
     action: SeqAction
     got: int
     expected: int | None  # the seq that was expected (None before the first batch)
@@ -268,8 +269,7 @@ class TrtllmRecordLike(Protocol):
     def events(self) -> Sequence[KvEvent]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class TrtllmPoll:
+class TrtllmPoll(msgspec.Struct, frozen=True, gc=False):
     """What one poll's records become: queue items in order, plus counted drops (reason label ->
     number of TRT-LLM events) and the number of event_id gaps seen."""
 
