@@ -16,9 +16,14 @@ Error model ("core raises, edges decide"):
 No function here does I/O, logs, or reads a clock. Error messages never quote payload content
 (token IDs and salts must not reach logs).
 
-Hot path: a busy engine sends thousands of blocks per second, so the per-event code reads fields
-positionally or with one `dict.get` each, validates types with `type(x) is T` in one expression,
-and leaves the per-token work to C (`array('I', list)`). `bench/decode.py` prints the figures.
+Hot path: a busy engine sends thousands of blocks per second. A payload that is a well-formed
+batch of known events is parsed and type-checked in C by `msgspec` into the typed layouts of
+`core.wire` and turned into model events directly (`_decode_typed`); anything else goes to the
+reference decoder (`_decode_reference`), which unpacks generically and judges each event alone
+(per-event code reads fields positionally or with one `dict.get` each and leaves the per-token
+work to C). Both give the same result (tests/test_decode_typed.py) but for one thing: invalid
+UTF-8 in a key or value the model does not read sinks the batch for the reference decoder
+only. `bench/decode.py` prints the figures.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any
 import msgpack
 import msgspec
 
+from kv_listener.core import wire
 from kv_listener.core.model import (
     MEDIUM_GPU,
     MEDIUM_TRTLLM_HOST,
@@ -578,6 +584,20 @@ def decode_zmq_payload(
     in `drops`), and so does one with more than `max_event_tokens` token IDs or
     `max_event_hashes` hashes. `seq` is copied into `EventBatch.seq`.
     """
+    max_len = 2 * max(max_event_tokens, max_event_hashes)
+    if len(payload) <= min(max_len, UNPACK_STEP_BYTES):
+        # Too short to hold an array over the caps: the typed fast path can take it.
+        fast = _decode_typed(engine, payload, seq, max_event_tokens, max_event_hashes)
+        if fast is not None:
+            return fast
+    return _decode_reference(engine, payload, seq, max_event_tokens, max_event_hashes)
+
+
+def _decode_reference(
+    engine: Engine, payload: bytes | bytearray | memoryview, seq: int | None,
+    max_event_tokens: int, max_event_hashes: int,
+) -> DecodedBatch:
+    """Any payload: generic unpacking, then every event read field by field and judged alone."""
     ts, events, dp = _envelope(_unpack(payload, 2 * max(max_event_tokens, max_event_hashes)))
     array_table, map_table = _TABLES[engine]
     out: list[KvEvent] = []
@@ -617,6 +637,66 @@ def decode_zmq_payload(
             continue
         out.append(decoded)
     return DecodedBatch(EventBatch(ts, tuple(out), dp, seq), len(events), drops)
+
+
+_STORED_TYPES = frozenset(wire.STORED_TYPES)
+_REMOVED_TYPES = frozenset(wire.REMOVED_TYPES)
+
+
+def _decode_typed(
+    engine: Engine, payload: bytes | bytearray | memoryview, seq: int | None,
+    max_event_tokens: int, max_event_hashes: int,
+) -> DecodedBatch | None:
+    """The fast path: `core.wire` parses and type-checks a well-formed batch in C, and its
+    events become the same model events `_decode_reference` would build. None when `core.wire`
+    refuses the payload or an event needs the reference decoder's judgement."""
+    batch = wire.typed_batch(engine, payload)
+    if batch is None:
+        return None
+    out: list[KvEvent] = []
+    drops: Counter[str] = Counter()
+    sglang = engine is Engine.SGLANG
+    try:
+        for ev in batch.events:
+            t = type(ev)
+            if t in _STORED_TYPES:
+                toks = ev.token_ids
+                hs = ev.block_hashes
+                if len(toks) > max_event_tokens:
+                    drops[DropReason.TOO_MANY_TOKENS] += 1
+                    continue
+                if len(hs) > max_event_hashes:
+                    drops[DropReason.TOO_MANY_HASHES] += 1
+                    continue
+                parent = ev.parent_block_hash
+                hashes = tuple([h & _M for h in hs])
+                tokens = _tokens(toks, False)
+                if not sglang:
+                    out.append(BlockStored(
+                        hashes, None if parent is None else parent & _M, tokens, ev.block_size,
+                        ev.lora_id, ev.lora_name, ev.medium, ev.group_idx,
+                        _extra_keys(ev.extra_keys), None, ev.kv_cache_spec_kind))
+                else:
+                    if t is wire.SglangStoredArray:
+                        meta = ev.meta
+                        lora_name, salt = None, None if meta is None else meta.cache_salt
+                    else:
+                        lora_name, salt = ev.lora_name, ev.cache_salt
+                    out.append(BlockStored(
+                        hashes, None if parent is None else parent & _M, tokens, ev.block_size,
+                        ev.lora_id, lora_name, ev.medium, None, None, salt, None))
+            elif t in _REMOVED_TYPES:
+                hs = ev.block_hashes
+                if len(hs) > max_event_hashes:
+                    drops[DropReason.TOO_MANY_HASHES] += 1
+                    continue
+                out.append(BlockRemoved(tuple([h & _M for h in hs]), ev.medium, ev.group_idx))
+            else:
+                out.append(_CLEARED)
+    except (_Drop, *_EVENT_ERRORS):
+        return None  # e.g. a map inside extra_keys: the reference decoder counts that event
+    return DecodedBatch(EventBatch(float(batch.ts), tuple(out), batch.dp, seq),
+                        len(batch.events), drops)
 
 
 def vllm_salt_candidates(event: BlockStored) -> tuple[str, ...]:

@@ -1,0 +1,163 @@
+"""The typed fast path of `decode_zmq_payload` (core/wire.py) decodes exactly as the reference
+decoder: same events, same drops, same errors, for golden frames of every engine release,
+frames the simulated engines write, hostile events and mutated frames; and it really is the path
+taken for well-formed frames."""
+
+from __future__ import annotations
+
+from array import array
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, reject
+from hypothesis import strategies as st
+
+from kv_listener.core import decode, wire
+from kv_listener.core.decode import DecodeError, decode_zmq_payload
+from kv_listener.core.model import BlockRemoved, BlockStored, Engine
+from kv_listener.sim.encode import (
+    SGLANG_VERSIONS,
+    VLLM_VERSIONS,
+    encode_sglang_batch,
+    encode_vllm_batch,
+)
+from tests.test_decode_fuzz import FUZZ, batches, events
+
+FRAMES = Path(__file__).resolve().parent.parent / "fixtures" / "frames"
+GOLDEN = sorted(FRAMES.glob("*.msgpack"))
+
+
+def engine_of(path: Path) -> Engine:
+    return Engine.SGLANG if "sglang" in path.name else \
+        Engine.TRTLLM if "trtllm" in path.name else Engine.VLLM
+
+
+def outcome(fn: Any, engine: Engine, payload: bytes, **caps: int) -> Any:
+    try:
+        return fn(engine, payload, 7, **caps)
+    except DecodeError as exc:
+        return exc.reason
+
+
+def reference(engine: Engine, payload: bytes, seq: int | None = 7, *,
+              max_event_tokens: int = decode.DEFAULT_MAX_EVENT_TOKENS,
+              max_event_hashes: int = decode.DEFAULT_MAX_EVENT_HASHES) -> Any:
+    return decode._decode_reference(engine, payload, seq, max_event_tokens, max_event_hashes)
+
+
+def same(engine: Engine, payload: bytes, **caps: int) -> None:
+    fast = outcome(decode_zmq_payload, engine, payload, **caps)
+    ref = outcome(reference, engine, payload, **caps)
+    if repr(fast) != repr(ref):  # repr: NaN timestamps compare unequal
+        # The one intended difference (see the last test): invalid UTF-8 in a key or value the
+        # model does not read sinks the batch for the reference decoder only.
+        assert ref is decode.DropReason.INVALID_MSGPACK, (fast, ref)
+        msgpack.unpackb(payload, raw=True, strict_map_key=False)  # well-formed but for UTF-8
+        with pytest.raises(UnicodeDecodeError):
+            msgpack.unpackb(payload, raw=False, strict_map_key=False)
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: p.name)
+def test_golden_frames_take_the_fast_path_when_well_formed(path: Path) -> None:
+    payload = path.read_bytes()
+    engine = engine_of(path)
+    same(engine, payload)
+    ref = outcome(reference, engine, payload)
+    # Left to the reference decoder by design: EAGLE token pairs, bytes hashes, a map envelope,
+    # array and map events mixed in one batch, and any batch with an event it drops.
+    by_design = any(s in path.name for s in ("eagle", "bytes", "batch-as-map", "mixed"))
+    if not by_design and not isinstance(ref, decode.DropReason) and not ref.drops:
+        assert wire.typed_batch(engine, payload) is not None, "fast path refused a golden frame"
+
+
+hashes_st = st.lists(st.integers(0, (1 << 64) - 1), min_size=1, max_size=4)
+
+
+@st.composite
+def model_events(draw: st.DrawFn) -> list[Any]:
+    out: list[Any] = []
+    for _ in range(draw(st.integers(1, 5))):
+        hs = tuple(draw(hashes_st))
+        if draw(st.booleans()):
+            n = len(hs) * 4
+            out.append(BlockStored(
+                hs, draw(st.one_of(st.none(), st.integers(0, (1 << 64) - 1))),
+                array("I", draw(st.lists(st.integers(0, (1 << 32) - 1), min_size=n, max_size=n))),
+                4, lora_id=draw(st.one_of(st.none(), st.integers(0, 5))),
+                medium=draw(st.sampled_from([None, "GPU", "CPU"])),
+                lora_name=draw(st.sampled_from([None, "ad"])),
+                cache_salt=draw(st.sampled_from([None, "crs1:x"]))))
+        else:
+            out.append(BlockRemoved(hs, medium=draw(st.sampled_from([None, "GPU"]))))
+    return out
+
+
+@FUZZ
+@given(model_events(), st.sampled_from(VLLM_VERSIONS))
+def test_every_vllm_release_layout(evs: list[Any], version: str) -> None:
+    try:
+        payload = encode_vllm_batch(evs, ts=3.5, version=version)
+    except ValueError:  # a field that release cannot carry
+        reject()
+    same(Engine.VLLM, payload)
+    same(Engine.TRTLLM, payload)
+    assert wire.typed_batch(Engine.VLLM, payload) is not None
+
+
+@FUZZ
+@given(model_events(), st.sampled_from(SGLANG_VERSIONS))
+def test_every_sglang_release_layout(evs: list[Any], version: str) -> None:
+    try:
+        payload = encode_sglang_batch(evs, ts=3.5, version=version)
+    except ValueError:  # a field that release cannot carry
+        reject()
+    same(Engine.SGLANG, payload)
+    assert wire.typed_batch(Engine.SGLANG, payload) is not None
+
+
+@FUZZ
+@given(st.sampled_from(list(Engine)), st.lists(events, min_size=1, max_size=6))
+def test_hostile_events_in_a_good_envelope(engine: Engine, evs: list[Any]) -> None:
+    same(engine, msgpack.packb([1.5, evs, 0], use_bin_type=True))
+
+
+@FUZZ
+@given(st.sampled_from(list(Engine)), batches)
+def test_random_batches(engine: Engine, batch: Any) -> None:
+    same(engine, msgpack.packb(batch, use_bin_type=True))
+
+
+@FUZZ
+@given(st.sampled_from(range(len(GOLDEN))), st.data())
+def test_mutated_golden_frames(index: int, data: st.DataObject) -> None:
+    frame = bytearray(GOLDEN[index].read_bytes())
+    for _ in range(data.draw(st.integers(1, 3))):
+        pos = data.draw(st.integers(0, max(0, len(frame) - 1)))
+        op = data.draw(st.sampled_from(["set", "delete", "truncate"]))
+        if op == "set" and frame:
+            frame[pos] = data.draw(st.integers(0, 255))
+        elif op == "delete" and frame:
+            del frame[pos]
+        else:
+            del frame[pos:]
+    same(engine_of(GOLDEN[index]), bytes(frame))
+
+
+@given(st.integers(1, 12), st.integers(1, 12))
+def test_caps_count_the_same_drops(max_tokens: int, max_hashes: int) -> None:
+    evs = [BlockStored(tuple(range(1, 1 + n)), None, array("I", range(4 * n)), 4)
+           for n in (1, 2, 3)] + [BlockRemoved(tuple(range(1, 9)))]
+    payload = encode_vllm_batch(evs, ts=1.0, version="0.33")
+    same(Engine.VLLM, payload, max_event_tokens=max_tokens, max_event_hashes=max_hashes)
+
+
+def test_a_field_nobody_reads_does_not_sink_the_batch() -> None:
+    """The one intended difference: invalid UTF-8 in a field the model does not read (key or
+    value) is never parsed by the typed path, so its batch is kept; the reference decoder, which builds every
+    string, drops the whole payload."""
+    good = msgpack.packb([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "zz": "ab"}], 0])
+    bad = good.replace(b"\xa2ab", b"\xa2\xff\xfe")
+    assert decode_zmq_payload(Engine.VLLM, bad).batch.events == (BlockRemoved((1,)),)
+    assert outcome(reference, Engine.VLLM, bad) is decode.DropReason.INVALID_MSGPACK
