@@ -6,7 +6,11 @@
   a free port for the run), apply latency, and memory bytes per (prefix, backend) entry;
 - scorer time per 1,000 scoring calls (the seed's bound: 100 ms; aim: 10 ms): `score()` reads of
   a prepared prefix, and full `select()` calls (prepare = one index query per new prefix, then
-  every candidate scored) over the memory and the Redis index.
+  every candidate scored) over the memory and the Redis index: one after the other (concurrency
+  1), and from 16 or 64 concurrent requests (workers each awaiting one `select()` at a time),
+  where the Redis index batches the lookups of queries that wait behind a round trip in flight.
+  Each concurrent figure is the median of 7 runs of 1,000 fresh prefixes (none prepared before),
+  with the lookup round trips they took.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from kv_listener.router.scorer import KvOverlapScorer
 from tests.support.redis_server import RedisServer
 
 CREATED = PrefixEventType.CACHE_CREATED
+RUNS = 7  # runs of each concurrent select() figure (median printed)
 
 
 def pct(samples: list[float], q: float) -> float:
@@ -89,6 +94,7 @@ async def scorer_figures(name: str, index: KvIndex, prefixes: list[str], backend
     for p in sample:
         await scorer.select(p, backends)
     cold = time.perf_counter() - t0
+    kv_aware, fallback = scorer.stats.kv_aware, scorer.stats.fallback
     # 1,000 select() calls over 10 prefixes prepared just before (within the 100 ms window).
     hot = sample[:10]
     for p in hot:
@@ -100,9 +106,44 @@ async def scorer_figures(name: str, index: KvIndex, prefixes: list[str], backend
         await scorer.select(hot[i % 10], backends)
     warm = time.perf_counter() - t0
     assert scorer.stats.index_queries == queries_before, "the window expired: machine too slow"
-    print(f"  {name:6s} 1,000 select() calls, cold prepare:  {cold * 1e3:9.3f} ms "
-          f"({scorer.stats.kv_aware} kv_aware, {scorer.stats.fallback} fallback)")
+    print(f"  {name:6s} 1,000 select() calls, cold prepare, sequential (concurrency 1): "
+          f"{cold * 1e3:9.3f} ms ({kv_aware} kv_aware, {fallback} fallback)")
     print(f"  {name:6s} 1,000 select() calls, cached prepare: {warm * 1e3:8.3f} ms")
+    for concurrency in (1, 16, 64):
+        times, trips = [], []
+        for _ in range(RUNS):
+            run_ms, run_trips = await concurrent_selects(index, rng.sample(prefixes, 1000),
+                                                         backends, concurrency)
+            times.append(run_ms)
+            trips.append(run_trips)
+        trips_text = (f", {statistics.median(trips):.0f} lookup round trips"
+                      if isinstance(index, RedisKvIndex) else "")
+        print(f"  {name:6s} 1,000 select() calls, fresh prefixes, concurrency {concurrency:2d}: "
+              f"median {statistics.median(times):8.3f} ms (runs {min(times):.1f}-{max(times):.1f})"
+              f"{trips_text}")
+
+
+async def concurrent_selects(index: KvIndex, sample: list[str], backends: list[str],
+                             concurrency: int) -> tuple[float, int]:
+    """`concurrency` requests at a time, each one `select()` on a prefix no request prepared
+    before (a new scorer: empty prepare cache): ms for the 1,000 calls and the lookup round
+    trips to Redis they took (0 for the memory index)."""
+    scorer = KvOverlapScorer(index)
+    todo = iter(sample)
+
+    async def request_loop() -> None:
+        for p in todo:  # shared: each worker takes the next prefix when its request is done
+            await scorer.select(p, backends)
+
+    def trips() -> int:
+        return index.lookup_round_trips if isinstance(index, RedisKvIndex) else 0
+
+    trips_before = trips()
+    t0 = time.perf_counter()
+    await asyncio.gather(*(request_loop() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    assert scorer.stats.index_queries == len(sample)
+    return elapsed * 1e3, trips() - trips_before
 
 
 async def main() -> None:
@@ -152,7 +193,8 @@ async def main() -> None:
                 print(f"redis index (redis-server on 127.0.0.1, {server.url})")
                 print(f"  apply (MULTI/EXEC): {fmt_us(apply_red)}")
                 print(f"  query (2x ZREVRANGEBYSCORE, one round trip): {fmt_us(q_red)}")
-                print("scorer (seed bound: 1,000 scoring calls < 100 ms; aim 10 ms)")
+                print("scorer (seed bound: 1,000 scoring calls < 100 ms; aim 10 ms); concurrency N ="
+                      " N requests in flight, each awaiting one select() at a time")
                 await scorer_figures("memory", mem, prefixes, backends, rng)
                 await scorer_figures("redis", red, prefixes, backends, rng)
             finally:

@@ -8,7 +8,21 @@ Layout (the prefix `cr:kvidx:` is `kv_cache_index.key_prefix`):
 - `cr:kvidx:warm:<prefix_hash>`     ZSET backend -> token_count of storage-warm holders;
 - `cr:kvidx:backend:<backend>`      SET of the prefix hashes of that backend (for cache_cleared).
 Every write is one MULTI/EXEC pipeline that also sets `EXPIRE entry_ttl_seconds` on the keys it
-adds to. Reads are `ZREVRANGEBYSCORE <key> +inf -inf WITHSCORES` on both ZSETs in one round trip.
+adds to. Reads are `ZREVRANGEBYSCORE <key> +inf -inf WITHSCORES` on both ZSETs (on the GPU one
+only when `storage_offloading` is off: such a router never writes a warm holder and its in-memory
+twin never reports one, so it does not read them either).
+
+Reads are batched the way a pipelining connection pool batches ("natural batching"): a `query()`
+that finds no lookup in flight goes out at once (in a task started for it, so queries of the same
+event-loop tick share its round trip); queries that arrive while a lookup round trip is in flight
+wait for it and then go out together as one pipeline (`transaction=False`, at most
+`LOOKUP_BATCH` prefixes; a larger backlog takes several). Queries of one prefix in a window share
+one lookup, and each caller gets its own list. A cancelled caller only drops its own answer. A
+failed round trip is one Redis failure (one `_failed`, one `redis_errors`), and every caller of
+that batch, and of the batches waiting behind it once the fallback is active, reads the fallback
+exactly as a lone failed query does; a command error of one prefix (a foreign key of the wrong
+type) fails only that prefix's callers. The raw replies are read in either protocol (redis-py 8
+speaks RESP3 by default, older versions RESP2).
 
 Differences from the in-memory index, by design of the layout: the TTL is per prefix key, so a
 write for any backend refreshes it for every holder of that prefix (the listener's explicit
@@ -36,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -83,6 +98,17 @@ log = structlog.get_logger(__name__)
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError)
 _WATCH_RETRIES = 8
 _BATCH = 256
+#: Most prefixes one lookup pipeline carries (2 commands each, 1 without storage offloading):
+#: enough for a burst of concurrent requests, small enough that a reply stays well inside one
+#: command timeout. A module constant: SPEC §8 names no key for it.
+LOOKUP_BATCH = 256
+
+_ZREV = b"ZREVRANGEBYSCORE"
+_ALL_WITH_SCORES = (b"+inf", b"-inf", b"WITHSCORES")
+
+#: One prefix's waiting callers: each has its own future, so a cancelled caller cancels only its
+#: own. A result of None means "Redis failed": the caller reads the fallback (`_query`).
+_Waiters = list[asyncio.Future[list[Holder] | None]]
 
 
 class IndexUnavailableError(Exception):
@@ -91,6 +117,35 @@ class IndexUnavailableError(Exception):
 
 def _str(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def _score_rows(rows: Any) -> Any:
+    """`(member, score)` pairs of a raw `... WITHSCORES` reply: RESP3 sends them nested (scores
+    as doubles), RESP2 flat (scores as strings)."""
+    if rows and not isinstance(rows[0], list | tuple):
+        return zip(rows[::2], map(float, rows[1::2]), strict=True)
+    return rows
+
+
+def _holders(hot_rows: Any, warm_rows: Any) -> list[Holder]:
+    """Holders from the raw replies of the GPU and the warm ZSET."""
+    found: dict[str, Holder] = {}
+    for member, score in _score_rows(hot_rows):
+        name = _str(member)
+        found[name] = Holder(name, int(score), Tier.GPU_HOT)
+    for member, score in _score_rows(warm_rows):
+        name = _str(member)
+        # Both ZSETs can name a backend only for a moment between two routers' writes; GPU
+        # wins, as it would after the second write.
+        if name not in found:
+            found[name] = Holder(name, int(score), Tier.STORAGE_WARM)
+    return sort_holders(list(found.values()))
+
+
+def _cancel_all(batch: dict[str, _Waiters]) -> None:
+    for waiters in batch.values():
+        for fut in waiters:
+            fut.cancel()
 
 
 def _glob_escape(text: str) -> str:
@@ -113,6 +168,8 @@ class RedisKvIndex(KvIndex):
     ) -> None:
         self._client = client
         self.key_prefix = key_prefix
+        self._hot_key_b = key_prefix.encode()  # + prefix hash: `hot_key`, for the raw lookups
+        self._warm_key_b = f"{key_prefix}warm:".encode()
         self.ttl_s = int(entry_ttl_seconds)
         self.offloading = offloading or StorageOffloadingConfig()
         self._fallback: InMemoryKvIndex | None = (
@@ -131,6 +188,11 @@ class RedisKvIndex(KvIndex):
         self._listeners: list[Callable[[bool], None]] = []
         self._n = _Counters()
         self.redis_errors = 0
+        # Prefixes waiting for the next lookup round trip (insertion order = arrival order), and
+        # the task sending them; it runs while there is anything to send, one round trip at a time.
+        self._waiting: dict[str, _Waiters] = {}
+        self._lookup_task: asyncio.Task[None] | None = None
+        self.lookup_round_trips = 0  # lookup pipelines sent to Redis (this process)
 
     @classmethod
     def from_config(
@@ -376,29 +438,95 @@ class RedisKvIndex(KvIndex):
         if not PREFIX_HASH_RE.match(prefix_hash):
             return []  # never build a key from something that is not a prefix hash
         if not self._fallback_active:
-            try:
-                async with self._client.pipeline(transaction=False) as pipe:
-                    pipe.zrevrangebyscore(self.hot_key(prefix_hash), "+inf", "-inf",
-                                          withscores=True)
-                    pipe.zrevrangebyscore(self.warm_key(prefix_hash), "+inf", "-inf",
-                                          withscores=True)
-                    hot_rows, warm_rows = await pipe.execute()
-            except REDIS_ERRORS as exc:
-                self._failed(exc, "query")
-                if self._fallback is None:
-                    return []
-            else:
-                found: dict[str, Holder] = {}
-                for rows, tier in ((hot_rows, Tier.GPU_HOT), (warm_rows, Tier.STORAGE_WARM)):
-                    for member, score in rows:
-                        name = _str(member)
-                        # Both ZSETs can name a backend only for a moment between two routers'
-                        # writes; GPU wins, as it would after the second write.
-                        if name not in found:
-                            found[name] = Holder(name, int(score), tier)
-                return sort_holders(list(found.values()))
+            holders = await self._lookup(prefix_hash)
+            if holders is not None:
+                return holders
+            if self._fallback is None:
+                return []
         assert self._fallback is not None
         return self._fallback.query_now(prefix_hash)
+
+    def _lookup(self, prefix_hash: str) -> asyncio.Future[list[Holder] | None]:
+        """The holders of `prefix_hash` from the next lookup round trip; None when it failed."""
+        fut: asyncio.Future[list[Holder] | None] = asyncio.get_running_loop().create_future()
+        waiters = self._waiting.get(prefix_hash)
+        if waiters is None:
+            self._waiting[prefix_hash] = [fut]
+        else:
+            waiters.append(fut)
+        if self._lookup_task is None:
+            self._lookup_task = asyncio.get_running_loop().create_task(self._send_lookups())
+        return fut
+
+    async def _send_lookups(self) -> None:
+        """Send what is waiting, one round trip at a time, until nothing is. Its own task, so a
+        cancelled caller never cancels a round trip other callers wait for."""
+        try:
+            while self._waiting:
+                if len(self._waiting) <= LOOKUP_BATCH:
+                    batch, self._waiting = self._waiting, {}
+                else:
+                    batch = {ph: self._waiting.pop(ph)
+                             for ph in list(itertools.islice(self._waiting, LOOKUP_BATCH))}
+                await self._lookup_batch(batch)
+        except BaseException:  # cancelled (loop shutdown): nobody may wait forever
+            _cancel_all(self._waiting)
+            self._waiting = {}
+            raise
+        finally:
+            self._lookup_task = None
+
+    async def _lookup_batch(self, batch: dict[str, _Waiters]) -> None:
+        # Prefixes whose every caller was cancelled meanwhile are not looked up.
+        prefixes = [ph for ph, waiters in batch.items() if not all(f.done() for f in waiters)]
+        if not prefixes:
+            return
+        warm = self.offloading.enabled
+        results: list[Any] | None = None
+        try:
+            # The round trip before this one failed: its callers and these read the fallback
+            # (a single query does not go to Redis while the fallback is active either).
+            if not self._fallback_active:
+                async with self._client.pipeline(transaction=False) as pipe:
+                    # Raw commands, pre-encoded: no response callback re-shapes the rows
+                    # (redis-py's re-encodes every RESP3 score to bytes and parses it again), and
+                    # no argument is encoded per call. `_holders` reads either protocol's rows.
+                    hot, warm_prefix = self._hot_key_b, self._warm_key_b
+                    for ph in prefixes:
+                        key = ph.encode()
+                        pipe.execute_command(_ZREV, hot + key, *_ALL_WITH_SCORES)
+                        if warm:
+                            pipe.execute_command(_ZREV, warm_prefix + key, *_ALL_WITH_SCORES)
+                    self.lookup_round_trips += 1
+                    results = await pipe.execute(raise_on_error=False)
+        except REDIS_ERRORS as exc:
+            self._failed(exc, "query")
+        except asyncio.CancelledError:
+            _cancel_all(batch)
+            raise
+        except Exception as exc:  # a bug: every caller raises it, as one query would
+            for waiters in batch.values():
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_exception(exc)
+            return
+        step = 2 if warm else 1
+        for i, ph in enumerate(prefixes):
+            holders = None
+            if results is not None:
+                hot_rows = results[i * step]
+                warm_rows = results[i * step + 1] if warm else ()
+                failed = next((r for r in (hot_rows, warm_rows) if isinstance(r, Exception)), None)
+                if failed is not None:
+                    self._failed(failed, "query")  # only this prefix's callers miss Redis
+                else:
+                    holders = _holders(hot_rows, warm_rows)
+            first = True
+            for fut in batch[ph]:
+                if not fut.done():
+                    # Each caller owns its list (callers may sort or extend theirs).
+                    fut.set_result(holders if first or holders is None else list(holders))
+                    first = False
 
     def _classify(self, key: str) -> tuple[str, str] | None:
         """('hot'|'warm', prefix_hash) or ('backend', name) for our keys, None for others."""
@@ -534,6 +662,8 @@ class RedisKvIndex(KvIndex):
             yield chunk
 
     async def close(self) -> None:
+        if self._lookup_task is not None:
+            await self._lookup_task  # answer the queries already waiting (bounded by timeouts)
         if self._probe_task is not None:
             self._probe_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
