@@ -70,9 +70,13 @@ Rules and choices, with the engine behaviour they come from (reference/wire-form
   resolver is replaced, `forget_requests()` makes every chain ask again.
 - *Memory.* A block keeps tokens only while they may be sent to the resolver (pending chains,
   within `max_chain_tokens`); a resolved chain whose blocks shorter than d remain keeps one copy
-  of root..d instead of theirs; attributed and discarded blocks keep none. The record is an
-  `array('I')` subclass holding its own segment (4 bytes per token, no second object per block;
-  `bench/tracker.py` prints the figures). When `max_tracked_blocks` or `max_retained_tokens` is
+  of root..d instead of theirs; attributed and discarded blocks keep none. Records are not
+  Python objects but slots in typed columns (hash, parent, chain length, media, state, pruning
+  links: about 50 bytes), found through an open-addressing index of slot numbers (hashed with a
+  random multiplier, so a hostile engine cannot make its hashes collide), and the segments kept
+  lie in one token arena (4 bytes per token), compacted when half of it is dropped tokens. No
+  per-block object for the cyclic GC to walk (it paused the loop 40-80 ms at 100k records).
+  `bench/tracker.py` prints the figures. When `max_tracked_blocks` or `max_retained_tokens` is
   exceeded after an event or an answer, the least recently stored records go first (a record is
   refreshed when stored again or when a child is stored under it, so hot shared prefixes outlive
   cold tails); a prefix is evicted only when its last attributed block goes.
@@ -81,10 +85,11 @@ Rules and choices, with the engine behaviour they come from (reference/wire-form
 from __future__ import annotations
 
 import enum
+import random
 from array import array
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final, NamedTuple
 
 from kv_listener.config import Limits
 from kv_listener.core.decode import vllm_salt_candidates
@@ -255,46 +260,6 @@ class _Ask:
         self.probing = probing
 
 
-if TYPE_CHECKING:
-    _U32Array = array[int]
-else:  # array is not subscriptable at run time before Python 3.12
-    _U32Array = array
-
-
-class _Block(_U32Array):
-    """One tracked block. The record *is* its own token segment (`array('I')`): a separate array
-    object would cost 80 bytes per block, i.e. 5 more bytes per token at 16-token blocks.
-
-    Never test a record for truth (`if rec:` is False when it holds no tokens): use `is None`.
-    `older`/`newer` link the records in pruning order (least recently stored first).
-    """
-
-    __slots__ = ("chain_len", "hash", "media", "newer", "older", "parent", "state")
-
-    hash: int
-    parent: int | None
-    chain_len: int
-    media: int
-    state: _State
-    older: _Block | None
-    newer: _Block | None
-
-    def __new__(
-        cls, h: int, parent: int | None, chain_len: int, media: int, state: _State,
-        tokens: array[int] | None,
-    ) -> _Block:
-        # An array initializer of the same typecode is memcpy'd into an exact-size buffer.
-        self = cast(_Block, array.__new__(cls, "I", tokens) if tokens else array.__new__(cls, "I"))
-        self.hash = h
-        self.parent = parent
-        self.chain_len = chain_len
-        self.media = media
-        self.state = state
-        self.older = None
-        self.newer = None
-        return self
-
-
 def _even_split(total: int, n: int) -> list[int]:
     q, r = divmod(total, n)
     return [q] * (n - 1) + [q + r]
@@ -318,20 +283,52 @@ def common_prefix_len(a: array[int], b: array[int]) -> int:
     return hi
 
 
-class Tracker:
-    """Bounded block-chain tracker of one source. Not thread-safe: one owner calls everything."""
 
-    _blocks: dict[int, _Block]  # hash -> record
-    _oldest: _Block | None  # pruning order: least recently stored first
-    _newest: _Block | None
-    _tokens: int  # tokens retained (block segments + resolved chains' copies)
-    _keys: dict[bytes, _Key]  # interned keys with attributed blocks (or touched this batch)
-    _touched: dict[_Key, tuple[bool, int, Tier]]  # key -> (live, token_count, tier) before
-    _want: list[_Chain]  # chains to ask for at the next take_resolve_requests
-    _failed: list[_Chain]  # chains whose last answer was FAILED (retry_failed asks again)
-    _inflight: dict[int, _Ask]  # request head -> request (kept across clears)
-    _n_pending: int
-    _group: int | None  # the KV-cache group tracked (None: not locked yet)
+_NONE: Final = -1  # no record (slot numbers are >= 0)
+_EMPTY: Final = -1  # index position never used
+_GONE: Final = -2  # index position whose record went (tombstone)
+_U64: Final = (1 << 64) - 1
+_MIN_INDEX: Final = 64
+#: Compact the token arena once this many dropped tokens lie in it and they are at least half.
+_ARENA_SLACK: Final = 1 << 16
+
+
+class BlockView(NamedTuple):
+    """One record as `Tracker.records()` shows it (tests, debugging): a copy, not the record."""
+
+    parent: int | None
+    chain_len: int
+    media: int
+    state: object
+    tokens: array[int]
+
+
+class Tracker:
+    """Bounded block-chain tracker of one source. Not thread-safe: one owner calls everything.
+
+    Records are not objects: a record is a slot number, its fields live in typed columns
+    (`array`, `bytearray`, and lists for the state object), found by hash through an open-
+    addressing index of slot numbers, and the tokens of the records that keep some lie in one
+    token arena. About 60 bytes per block instead of the ~230 that a record object, its dict
+    entry and its int objects cost, and nothing per block for the cyclic GC to walk.
+    """
+
+    _hash: array[int]
+    _par: array[int]
+    _clen: array[int]
+    _state: list[_State]
+    _toff: array[int]
+    _tlen: array[int]
+    _older: array[int]
+    _newer: array[int]
+    _free: array[int]
+    _idx: array[int]
+    _arena: array[int]
+    _keys: dict[bytes, _Key]
+    _touched: dict[_Key, tuple[bool, int, Tier]]
+    _want: list[_Chain]
+    _failed: list[_Chain]
+    _group: int | None
 
     def __init__(
         self,
@@ -347,11 +344,17 @@ class Tracker:
         self._max_chain = limits.max_chain_tokens
         self._max_blocks = limits.max_tracked_blocks
         self._max_tokens = limits.max_retained_tokens
+        # Offsets into the arena: it holds at most about twice the retained tokens.
+        self._offset_code = "I" if limits.max_retained_tokens < (1 << 30) else "Q"
+        self._arena_slack = _ARENA_SLACK
         self._verify = salt_verifier
         self._can_detokenize = can_detokenize
         self._media_bits: dict[str, int] = {MEDIUM_GPU: _GPU_BIT}
         self._noticed: set[TrackerNotice] = set()
         self._notices: list[TrackerNotice] = []
+        # Multiplicative hashing with a random odd multiplier: engines' hashes are not chosen
+        # to spread over an index, and a hostile source must not be able to make them collide.
+        self._mult = random.getrandbits(64) | 1
         # counters (monotonic, survive clears)
         self.salt_rejected = 0
         self.token_count_mismatch = 0
@@ -366,14 +369,14 @@ class Tracker:
         self.stale_outcomes = 0  # outcomes for a chain no longer waiting for one
         self.bad_outcomes = 0  # RESOLVED without a 32-byte key (treated as FAILED)
         self.clears = 0
-        self._inflight = {}
+        self._inflight: dict[int, _Ask] = {}  # request head -> request (kept across clears)
         self._reset()
 
     # --- public API -----------------------------------------------------------------------
 
     @property
     def blocks_tracked(self) -> int:
-        return len(self._blocks)
+        return self._live
 
     @property
     def tokens_retained(self) -> int:
@@ -393,6 +396,23 @@ class Tracker:
     def inflight(self) -> int:
         """Requests handed out and not answered yet (also those whose chain is gone)."""
         return len(self._inflight)
+
+    def records(self) -> dict[int, BlockView]:
+        """Every record by hash, in pruning order (oldest first): copies, for tests."""
+        out: dict[int, BlockView] = {}
+        r = self._oldest
+        while r != _NONE:
+            out[self._hash[r]] = BlockView(self._parent_of(r), self._clen[r], self._media[r],
+                                           self._state[r], self._tokens_of(r))
+            r = self._newer[r]
+        return out
+
+    def memory_bytes(self) -> int:
+        """Bytes of the record columns, index and token arena (allocated sizes)."""
+        arrays = (self._idx, self._hash, self._par, self._clen, self._toff, self._tlen,
+                  self._older, self._newer, self._free, self._arena)
+        return (sum(a.buffer_info()[1] * a.itemsize for a in arrays)
+                + len(self._media) + len(self._haspar) + 8 * len(self._state))
 
     def forget_requests(self) -> None:
         """Consider every request handed out lost (call when the resolver was replaced and will
@@ -448,21 +468,26 @@ class Tracker:
         it in the batch.
         """
         out: list[PrefixTransition] = []
-        if isinstance(item, SourceCleared):
+        if not isinstance(item, EventBatch):
             self._clear(out)
             return out
+        max_blocks = self._max_blocks
+        max_tokens = self._max_tokens
         for ev in item.events:
-            if isinstance(ev, BlockStored):
+            if type(ev) is BlockStored:
                 self._on_stored(ev)
-            elif isinstance(ev, BlockRemoved):
+            elif type(ev) is BlockRemoved:
                 self._on_removed(ev)
-            elif isinstance(ev, BlockUpdated):
+                continue  # removing never exceeds a bound
+            elif type(ev) is BlockUpdated:
                 self._on_updated(ev)
-            elif isinstance(ev, AllBlocksCleared | CacheCreated):
+            elif type(ev) is AllBlocksCleared or type(ev) is CacheCreated:
                 self._clear(out)
                 continue
-            self._enforce_bounds()
-        self._flush(out)
+            if self._live > max_blocks or self._tokens > max_tokens:
+                self._enforce_bounds()
+        if self._touched:
+            self._flush(out)
         return out
 
     def take_resolve_requests(self) -> list[ResolveRequest]:
@@ -475,10 +500,11 @@ class Tracker:
             ch.wanted = False
             if ch.status != _PENDING or ch.inflight is not None or ch.waiting:
                 continue
-            head = self._blocks.get(ch.head) if ch.head is not None else None
-            if head is None:
+            head = self._find(ch.head) if ch.head is not None else _NONE
+            if head == _NONE:
                 continue
-            limited = min(head.chain_len, self._max_chain)
+            head_hash = self._hash[head]
+            limited = min(self._clen[head], self._max_chain)
             if ch.probe_q is not None and ch.probe_q > limited:  # its branch lost blocks since
                 ch.probe_q = None
                 ch.base = None
@@ -492,7 +518,7 @@ class Tracker:
                 self._discard_chain(ch, UnattributedReason.TOKENS_UNAVAILABLE)
                 continue
             probing = ch.probe_q is not None
-            ask = self._inflight.get(head.hash)
+            ask = self._inflight.get(head_hash)
             if ask is not None:
                 if ask.chain is not None or ask.n != n or ask.probing != probing:
                     later.append(ch)  # the resolver would drop it: ask once that answer is in
@@ -500,9 +526,9 @@ class Tracker:
                     continue
                 ask.chain = ch  # same head, same tokens: that answer is ours
             else:
-                self._inflight[head.hash] = _Ask(ch, n, probing)
-                out.append(ResolveRequest(head=head.hash, model=ch.model, tokens=tokens))
-            ch.inflight = head.hash
+                self._inflight[head_hash] = _Ask(ch, n, probing)
+                out.append(ResolveRequest(head=head_hash, model=ch.model, tokens=tokens))
+            ch.inflight = head_hash
             ch.requested = n
             ch.asked_len = limited
             ch.probing = probing
@@ -586,26 +612,40 @@ class Tracker:
     # --- state ----------------------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._blocks = {}
-        self._oldest = None
-        self._newest = None
-        self._tokens = 0
-        self._keys = {}
-        self._touched = {}
-        self._want = []
-        self._failed = []
+        # record columns, by slot
+        self._hash = array("Q")
+        self._par = array("Q")  # parent hash (meaningful when _haspar[slot])
+        self._haspar = bytearray()
+        self._clen = array("Q")  # chain length in tokens, root..this block
+        self._media = bytearray()  # media bits and _TAINT
+        self._state = []
+        self._toff = array(self._offset_code)  # own tokens: arena[toff:toff+tlen]
+        self._tlen = array("I")
+        self._older = array("i")  # pruning order: least recently stored first
+        self._newer = array("i")
+        self._oldest = _NONE
+        self._newest = _NONE
+        self._free = array("i")  # slots of removed records, reused first
+        self._live = 0
+        # index: hash -> slot, open addressing with linear probing
+        self._idx = array("i", [_EMPTY]) * _MIN_INDEX
+        self._mask = _MIN_INDEX - 1
+        self._shift = 64 - (_MIN_INDEX.bit_length() - 1)
+        self._filled = 0  # index positions not _EMPTY (records and tombstones)
+        # tokens of the records that keep some; `_garbage` of them belong to no record any more
+        self._arena = array("I")
+        self._garbage = 0
+        self._tokens = 0  # tokens retained (block segments + resolved chains' copies)
+        self._keys = {}  # interned keys with attributed blocks (or touched)
+        self._touched = {}  # key -> (live, count, tier) before
+        self._want = []  # chains to ask for at the next take_resolve_requests
+        self._failed = []  # chains whose last answer was FAILED
         for ask in self._inflight.values():
             ask.chain = None  # answers may still come: they are stale
         self._n_pending = 0
-        self._group = None
+        self._group = None  # the KV-cache group tracked (None: not locked yet)
 
     def _clear(self, out: list[PrefixTransition]) -> None:
-        # Break the pruning links so the records are freed by reference counting at once.
-        cur = self._oldest
-        while cur is not None:
-            nxt = cur.newer
-            cur.older = cur.newer = None
-            cur = nxt
         self._reset()
         self.clears += 1
         out.clear()  # anything earlier in this batch is superseded
@@ -635,42 +675,203 @@ class Tracker:
             return False
         return group == self._group
 
-    # --- pruning order (doubly linked, least recently stored first) -------------------------
+    # --- records: index, columns, token arena ----------------------------------------------
 
-    def _link(self, rec: _Block) -> None:
-        newest = self._newest
-        rec.older = newest
-        rec.newer = None
-        if newest is None:
-            self._oldest = rec
+    def _find(self, h: int) -> int:
+        """The slot of the record of hash `h`, or _NONE."""
+        idx = self._idx
+        hashes = self._hash
+        mask = self._mask
+        i = ((h * self._mult) & _U64) >> self._shift
+        while True:
+            s = idx[i]
+            if s >= 0:
+                if hashes[s] == h:
+                    return s
+            elif s == _EMPTY:
+                return _NONE
+            i = (i + 1) & mask
+
+    def _parent_of(self, r: int) -> int | None:
+        return self._par[r] if self._haspar[r] else None
+
+    def _tokens_of(self, r: int) -> array[int]:
+        off = self._toff[r]
+        return self._arena[off:off + self._tlen[r]]
+
+    def _new_block(
+        self, h: int, parent: int | None, chain_len: int, media: int, state: _State,
+        tokens: array[int] | None,
+    ) -> int:
+        """Add the record of `h` (not tracked yet) as the newest; returns its slot."""
+        chain_len = min(chain_len, _U64)  # only absurd tokenless block sizes get past 2^64
+        free = self._free
+        if free:
+            r = free.pop()
+            self._hash[r] = h
+            if parent is None:
+                self._haspar[r] = 0
+            else:
+                self._par[r] = parent
+                self._haspar[r] = 1
+            self._clen[r] = chain_len
+            self._media[r] = media
         else:
-            newest.newer = rec
-        self._newest = rec
+            r = len(self._hash)
+            self._hash.append(h)
+            self._par.append(0 if parent is None else parent)
+            self._haspar.append(parent is not None)
+            self._clen.append(chain_len)
+            self._media.append(media)
+            self._state.append(None)
+            self._toff.append(0)
+            self._tlen.append(0)
+            self._older.append(_NONE)
+            self._newer.append(_NONE)
+        if tokens:
+            arena = self._arena
+            self._toff[r] = len(arena)
+            self._tlen[r] = n = len(tokens)
+            arena.extend(tokens)
+            self._tokens += n
+        self._live += 1
+        # link as newest (before indexing it: a rebuild of the index walks this order)
+        newest = self._newest
+        self._older[r] = newest
+        self._newer[r] = _NONE
+        if newest == _NONE:
+            self._oldest = r
+        else:
+            self._newer[newest] = r
+        self._newest = r
+        # index it (the hash is not there: the first free position takes it)
+        idx = self._idx
+        mask = self._mask
+        i = ((h * self._mult) & _U64) >> self._shift
+        while (s := idx[i]) >= 0:
+            i = (i + 1) & mask
+        idx[i] = r
+        if s == _EMPTY:
+            self._filled += 1
+            if self._filled * 4 > 3 * len(idx):
+                self._rebuild_index()
+        if type(state) is _Key:
+            touched = self._touched
+            if state not in touched:
+                touched[state] = (state.blocks > 0, state.max_len,
+                                  Tier.GPU_HOT if state.gpu else Tier.STORAGE_WARM)
+            self._state[r] = state
+            state.add(chain_len, bool(media & _GPU_BIT))
+            if tokens:
+                self._drop_tokens(r)
+        elif type(state) is _Chain:
+            self._state[r] = state
+            state.nblocks += 1
+            state.head = h
+        return r
 
-    def _unlink(self, rec: _Block) -> None:
-        older, newer = rec.older, rec.newer
-        if older is None:
+    def _rebuild_index(self) -> None:
+        """A fresh index at most half full (tombstones dropped): the smallest power of two of at
+        least twice the records."""
+        size = _MIN_INDEX
+        while size < 2 * self._live:
+            size <<= 1
+        idx: array[int] = array("i", [_EMPTY]) * size
+        mask = size - 1
+        shift = 64 - (size.bit_length() - 1)
+        mult = self._mult
+        hashes = self._hash
+        r = self._oldest
+        newer = self._newer
+        while r != _NONE:
+            i = ((hashes[r] * mult) & _U64) >> shift
+            while idx[i] != _EMPTY:
+                i = (i + 1) & mask
+            idx[i] = r
+            r = newer[r]
+        self._idx, self._mask, self._shift, self._filled = idx, mask, shift, self._live
+
+    def _drop_tokens(self, r: int) -> None:
+        n = self._tlen[r]
+        if n:
+            self._tokens -= n
+            self._tlen[r] = 0
+            self._garbage += n
+            if self._garbage >= self._arena_slack and 2 * self._garbage >= len(self._arena):
+                self._compact_arena()
+
+    def _compact_arena(self) -> None:
+        """Copy the tokens still held to a new arena (their order: pruning order)."""
+        arena = self._arena
+        new: array[int] = array("I")
+        toff, tlen, newer = self._toff, self._tlen, self._newer
+        r = self._oldest
+        while r != _NONE:
+            n = tlen[r]
+            if n:
+                off = toff[r]
+                toff[r] = len(new)
+                new.extend(arena[off:off + n])
+            r = newer[r]
+        self._arena = new
+        self._garbage = 0
+
+    def _refresh(self, r: int) -> None:
+        if r == self._newest:
+            return
+        older_, newer_ = self._older, self._newer
+        older, newer = older_[r], newer_[r]  # newer is not _NONE: r is not the newest
+        if older == _NONE:
             self._oldest = newer
         else:
-            older.newer = newer
-        if newer is None:
-            self._newest = older
-        else:
-            newer.older = older
-        rec.older = rec.newer = None
-
-    def _refresh(self, rec: _Block) -> None:
-        if rec is not self._newest:
-            self._unlink(rec)
-            self._link(rec)
+            newer_[older] = newer
+        older_[newer] = older
+        newest = self._newest
+        older_[r] = newest
+        newer_[r] = _NONE
+        newer_[newest] = r
+        self._newest = r
 
     def _enforce_bounds(self) -> None:
-        while len(self._blocks) > self._max_blocks or self._tokens > self._max_tokens:
+        while self._live > self._max_blocks or self._tokens > self._max_tokens:
             victim = self._oldest
-            if victim is None:
+            if victim == _NONE:
                 break
             self._remove(victim)
             self.pruned += 1
+
+    def _remove(self, r: int) -> None:
+        h = self._hash[r]
+        idx = self._idx
+        mask = self._mask
+        i = ((h * self._mult) & _U64) >> self._shift
+        while idx[i] != r:
+            i = (i + 1) & mask
+        idx[i] = _GONE
+        if self._tlen[r]:
+            self._drop_tokens(r)
+        st = self._state[r]
+        if type(st) is _Key:
+            touched = self._touched
+            if st not in touched:
+                touched[st] = (st.blocks > 0, st.max_len,
+                               Tier.GPU_HOT if st.gpu else Tier.STORAGE_WARM)
+            st.remove(self._clen[r], bool(self._media[r] & _GPU_BIT))
+        elif type(st) is _Chain:
+            self._chain_lost_block(st, r)
+        # unlink from the pruning order, give the slot back
+        older, newer = self._older[r], self._newer[r]
+        if older == _NONE:
+            self._oldest = newer
+        else:
+            self._newer[older] = newer
+        if newer == _NONE:
+            self._newest = older
+        else:
+            self._older[newer] = older
+        self._state[r] = None
+        self._free.append(r)
+        self._live -= 1
 
     # --- per-key aggregates and transitions -----------------------------------------------
 
@@ -683,12 +884,13 @@ class Tracker:
 
     def _touch_key(self, k: _Key) -> None:
         if k not in self._touched:
-            self._touched[k] = (k.blocks > 0, k.max_len, k.tier())
+            self._touched[k] = (k.blocks > 0, k.max_len, Tier.GPU_HOT if k.gpu else Tier.STORAGE_WARM)
 
     def _flush(self, out: list[PrefixTransition]) -> None:
+        keys = self._keys
         for k, (was_live, old_len, old_tier) in self._touched.items():
             if k.blocks:
-                tier = k.tier()
+                tier = Tier.GPU_HOT if k.gpu else Tier.STORAGE_WARM
                 if not was_live:
                     out.append(PrefixTransition(TransitionKind.CREATED, k.prefix_hash, k.max_len, tier))
                 elif tier is not old_tier:
@@ -700,59 +902,28 @@ class Tracker:
             else:
                 if was_live:
                     out.append(PrefixTransition(TransitionKind.EVICTED, k.prefix_hash))
-                if self._keys.get(k.key) is k:
-                    del self._keys[k.key]
+                if keys.get(k.key) is k:
+                    del keys[k.key]
         self._touched.clear()
 
-    def _attribute(self, rec: _Block, k: _Key) -> None:
+    def _attribute(self, r: int, k: _Key) -> None:
         """Attribute a record (new or pre-anchor) to `k`; its tokens are no longer needed."""
-        self._touch_key(k)
-        rec.state = k
-        k.add(rec.chain_len, bool(rec.media & _GPU_BIT))
-        self._drop_tokens(rec)
+        if k not in self._touched:
+            self._touch_key(k)
+        self._state[r] = k
+        k.add(self._clen[r], bool(self._media[r] & _GPU_BIT))
+        if self._tlen[r]:
+            self._drop_tokens(r)
 
-    def _set_media(self, rec: _Block, media: int) -> None:
-        old = rec.media
+    def _set_media(self, r: int, media: int) -> None:
+        old = self._media[r]
         if old == media:
             return
-        st = rec.state
-        if isinstance(st, _Key) and (old ^ media) & _GPU_BIT:
+        st = self._state[r]
+        if type(st) is _Key and (old ^ media) & _GPU_BIT:
             self._touch_key(st)
             st.gpu += 1 if media & _GPU_BIT else -1
-        rec.media = media
-
-    def _drop_tokens(self, rec: _Block) -> None:
-        n = len(rec)
-        if n:
-            self._tokens -= n
-            del rec[:]  # frees the buffer
-
-    def _new_block(
-        self, h: int, parent: int | None, chain_len: int, media: int, state: _State,
-        tokens: array[int] | None,
-    ) -> _Block:
-        rec = _Block(h, parent, chain_len, media, None, tokens)
-        self._blocks[h] = rec
-        self._link(rec)
-        self._tokens += len(rec)
-        if isinstance(state, _Key):
-            self._attribute(rec, state)
-        elif isinstance(state, _Chain):
-            rec.state = state
-            state.nblocks += 1
-            state.head = h
-        return rec
-
-    def _remove(self, rec: _Block) -> None:
-        self._unlink(rec)
-        del self._blocks[rec.hash]
-        self._drop_tokens(rec)
-        st = rec.state
-        if isinstance(st, _Key):
-            self._touch_key(st)
-            st.remove(rec.chain_len, bool(rec.media & _GPU_BIT))
-        elif isinstance(st, _Chain):
-            self._chain_lost_block(st, rec)
+        self._media[r] = media
 
     # --- events ---------------------------------------------------------------------------
 
@@ -793,53 +964,77 @@ class Tracker:
             self.group_skipped += 1
             self._notice(TrackerNotice.GROUP_SKIPPED)
             return
-        blocks = self._blocks
+        find = self._find
         bit = self._medium_bit(ev.medium)
-        prev: _Block | None = None
-        if ev.parent_hash is not None:
-            prev = blocks.get(ev.parent_hash)
-            if prev is not None:
+        prev = _NONE
+        parent_hash = ev.parent_hash
+        if parent_hash is not None:
+            prev = find(parent_hash)
+            if prev != _NONE:
                 self._refresh(prev)  # a child under it: it is in use
         tokens = ev.token_ids
         total = len(tokens)
         if total == 0:
             self._on_tokenless(ev, prev, bit)
             return
-        seglens = self._split(n, total, ev.block_size)
-        mismatch = seglens is None or tokens.typecode != "I"
-        if seglens is None or mismatch:
-            self.token_count_mismatch += 1
-            self._notice(TrackerNotice.TOKEN_COUNT_MISMATCH)
-            seglens = _even_split(total, n)
+        bs = ev.block_size
+        seglens: list[int] | None = None  # None: every block takes `bs` tokens
+        if not (bs > 0 and total == bs * n) or tokens.typecode != "I":
+            seglens = self._split(n, total, bs)
+            mismatch = seglens is None or tokens.typecode != "I"
+            if seglens is None or mismatch:
+                self.token_count_mismatch += 1
+                self._notice(TrackerNotice.TOKEN_COUNT_MISMATCH)
+                seglens = _even_split(total, n)
+        else:
+            mismatch = False
         media = bit | (_TAINT if mismatch else 0)
         model = ev.lora_name or self._model
         max_chain = self._max_chain
+        clen, media_, state_, hash_ = self._clen, self._media, self._state, self._hash
+        new_block = self._new_block
         offset = 0
+        seglen = bs
         # chains this event started or extended -> what to do once all its blocks are in
-        todo: dict[_Chain, int] = {}
+        todo: dict[_Chain, int] | None = None
         for i in range(n):
             h = hashes[i]
-            seglen = seglens[i]
-            rec = blocks.get(h)
-            if rec is not None:  # stored again: idempotent, adds its medium, refreshes its age
-                self._set_media(rec, rec.media | bit)
-                self._refresh(rec)
-                prev = rec
+            if seglens is not None:
+                seglen = seglens[i]
+            r = find(h)
+            if r != _NONE:  # stored again: idempotent, adds its medium, refreshes its age
+                old = media_[r]
+                if old | bit != old:
+                    self._set_media(r, old | bit)
+                self._refresh(r)
+                prev = r
                 offset += seglen
                 continue
-            parent_len = 0 if prev is None else prev.chain_len
+            if prev != _NONE and type(pst := state_[prev]) is _Key and not media_[prev] & _TAINT:
+                # the common case: the chain goes on under an attributed block
+                prev = new_block(h, hash_[prev], clen[prev] + seglen, media, pst, None)
+                offset += seglen
+                continue
+            parent_len = 0 if prev == _NONE else clen[prev]
             state, reason, step = self._place(ev, prev, i, model, mismatch)
-            keep = min(seglen, max(0, max_chain - parent_len)) if isinstance(state, _Chain) else 0
-            rec = self._new_block(
-                h, ev.parent_hash if prev is None else prev.hash, parent_len + seglen, media,
+            if type(state) is _Chain:
+                keep = min(seglen, max(0, max_chain - parent_len))
+                if step is not None:
+                    if todo is None:
+                        todo = {}
+                    if state not in todo:
+                        todo[state] = step
+            else:
+                keep = 0
+            prev = new_block(
+                h, parent_hash if prev == _NONE else hash_[prev], parent_len + seglen, media,
                 state, tokens[offset : offset + keep] if keep else None,
             )
             if reason is not None:
                 self._count_unattributed(reason)
-            if step is not None and isinstance(state, _Chain) and state not in todo:
-                todo[state] = step
-            prev = rec
             offset += seglen
+        if todo is None:
+            return
         for ch, step in todo.items():
             if ch.status != _PENDING:
                 continue
@@ -852,28 +1047,29 @@ class Tracker:
                 self._on_growth(ch)
 
     def _place(
-        self, ev: BlockStored, prev: _Block | None, i: int, model: str, mismatch: bool
+        self, ev: BlockStored, prev: int, i: int, model: str, mismatch: bool
     ) -> tuple[_State, UnattributedReason | None, int | None]:
         """State of a new block under `prev`: (state, reason to count if discarded, next step)."""
-        if prev is None:
+        if prev == _NONE:
             if i == 0 and ev.parent_hash is None:
                 return self._root_state(ev, model, mismatch)
             return None, UnattributedReason.ORPHAN, None
-        if prev.media & _TAINT:
+        if self._media[prev] & _TAINT:
             return None, None, None  # under a block whose tokens did not fit
-        st = prev.state
-        if isinstance(st, _Key):
+        st = self._state[prev]
+        if type(st) is _Key:
             return st, None, None
-        if not isinstance(st, _Chain):
+        if type(st) is not _Chain:
             return None, None, None  # under an unattributed block
         if st.status == _PENDING:
             if mismatch:
                 return None, UnattributedReason.TOKEN_COUNT_MISMATCH, None
-            if st.head == prev.hash:
+            prev_hash = self._hash[prev]
+            if st.head == prev_hash:
                 return st, None, _STEP_GROW
             # A branch under a chain being resolved waits for its answer (SPEC §4: one call per
             # distinct chain); under an idle pending chain it asks for itself.
-            fork = self._new_chain(model, prev.hash)
+            fork = self._new_chain(model, prev_hash)
             forks = st.forks
             if len(forks) >= 64 and not len(forks) & (len(forks) - 1):  # at 64, 128, 256, ...
                 st.forks = forks = [w for w in forks if w.status == _PENDING]
@@ -881,14 +1077,14 @@ class Tracker:
             fork.waiting = st.busy()
             return fork, None, _STEP_NEW
         if st.status == _RESOLVED and st.key is not None:
-            if prev.chain_len >= st.d:  # tightened below it after it was stored
+            if self._clen[prev] >= st.d:  # tightened below it after it was stored
                 k = self._intern(st.key)
                 self._attribute(prev, k)
                 self._chain_lost_block(st, prev)
                 return k, None, None
             if mismatch:
                 return None, UnattributedReason.TOKEN_COUNT_MISMATCH, None
-            return self._new_chain(model, prev.hash), None, _STEP_COMPARE
+            return self._new_chain(model, self._hash[prev]), None, _STEP_COMPARE
         return None, None, None  # under a discarded chain
 
     def _root_state(
@@ -914,60 +1110,61 @@ class Tracker:
         self._n_pending += 1
         return _Chain(model, fork_at)
 
-    def _on_tokenless(self, ev: BlockStored, prev: _Block | None, bit: int) -> None:
+    def _on_tokenless(self, ev: BlockStored, prev: int, bit: int) -> None:
         """Placeholder stores (offload) and tokenless blocks."""
-        blocks = self._blocks
-        chainable = ev.parent_hash is not None and prev is not None and ev.block_size > 0
+        chainable = ev.parent_hash is not None and prev != _NONE and ev.block_size > 0
         for h in ev.block_hashes:
-            rec = blocks.get(h)
-            if rec is not None:
-                self._set_media(rec, rec.media | bit)
-                self._refresh(rec)
-                prev = rec
+            r = self._find(h)
+            if r != _NONE:
+                self._set_media(r, self._media[r] | bit)
+                self._refresh(r)
+                prev = r
                 continue
-            if not chainable or prev is None:
+            if not chainable or prev == _NONE:
                 self.placeholders_unknown += 1
-                prev = None
+                prev = _NONE
                 continue
             # No tokens: only an attributed chain can continue (by block_size, §4).
-            st = prev.state
-            state: _State = st if isinstance(st, _Key) and not prev.media & _TAINT else None
-            prev = self._new_block(h, prev.hash, prev.chain_len + ev.block_size, bit, state, None)
+            st = self._state[prev]
+            state: _State = st if type(st) is _Key and not self._media[prev] & _TAINT else None
+            prev = self._new_block(h, self._hash[prev], self._clen[prev] + ev.block_size, bit,
+                                   state, None)
 
     def _on_removed(self, ev: BlockRemoved) -> None:
         if ev.group_idx is not None and self._group is not None and ev.group_idx != self._group:
             self.group_skipped += 1
             return
-        blocks = self._blocks
+        find = self._find
         bit = None if ev.medium is None else self._medium_bit(ev.medium)
         for h in ev.block_hashes:
-            rec = blocks.get(h)
-            if rec is None:
+            r = find(h)
+            if r == _NONE:
                 self.removed_unknown += 1
                 continue
             if bit is None:
-                self._remove(rec)
+                self._remove(r)
                 continue
-            if not rec.media & bit:
+            old = self._media[r]
+            if not old & bit:
                 continue  # not held in that medium
-            media = rec.media & ~bit
+            media = old & ~bit
             if media & _MEDIA:
-                self._set_media(rec, media)
+                self._set_media(r, media)
             else:
-                self._remove(rec)
+                self._remove(r)
 
     def _on_updated(self, ev: BlockUpdated) -> None:
-        rec = self._blocks.get(ev.block_hash)
-        if rec is None:
+        r = self._find(ev.block_hash)
+        if r == _NONE:
             self.removed_unknown += 1
             return
         new_bit = self._medium_bit(ev.new_medium)
         if ev.old_medium is None:
             # Old level not reported: TRT-LLM blocks live in one level at a time.
-            media = (rec.media & _TAINT) | new_bit
+            media = (self._media[r] & _TAINT) | new_bit
         else:
-            media = (rec.media & ~self._medium_bit(ev.old_medium)) | new_bit
-        self._set_media(rec, media)
+            media = (self._media[r] & ~self._medium_bit(ev.old_medium)) | new_bit
+        self._set_media(r, media)
 
     # --- chains ---------------------------------------------------------------------------
 
@@ -980,14 +1177,19 @@ class Tracker:
             ch.wanted = True
             self._want.append(ch)
 
+    def _head_len(self, ch: _Chain) -> int | None:
+        """Chain length of `ch`'s head record, or None when it has none."""
+        head = self._find(ch.head) if ch.head is not None else _NONE
+        return None if head == _NONE else self._clen[head]
+
     def _on_growth(self, ch: _Chain) -> None:
         """A block joined the head of pending `ch`."""
         if ch.busy():
             return  # the outstanding answer covers it
-        head = self._blocks.get(ch.head) if ch.head is not None else None
-        if head is None:
+        head_len = self._head_len(ch)
+        if head_len is None:
             return
-        limited = min(head.chain_len, self._max_chain)
+        limited = min(head_len, self._max_chain)
         if ch.probe_q is None and ch.last == _LAST_PENDING and limited <= ch.requested:
             if limited >= self._max_chain:
                 self._discard_chain(ch, UnattributedReason.TOO_LONG)
@@ -997,10 +1199,10 @@ class Tracker:
     def _after_answer(self, ch: _Chain) -> None:
         """After PENDING / FAILED: ask again at once if the chain grew meanwhile (since it was
         asked: a probe asked for fewer tokens than the chain had, which is no growth)."""
-        head = self._blocks.get(ch.head) if ch.head is not None else None
-        if head is None:
+        head_len = self._head_len(ch)
+        if head_len is None:
             return
-        limited = min(head.chain_len, self._max_chain)
+        limited = min(head_len, self._max_chain)
         if limited > ch.asked_len:
             self._want_request(ch)
         elif ch.last == _LAST_PENDING and limited >= self._max_chain:
@@ -1020,46 +1222,47 @@ class Tracker:
                     self._want_request(w)
         ch.forks = keep
 
-    def _chain_blocks(self, ch: _Chain) -> list[_Block]:
-        """The chain's blocks, deepest first."""
-        out: list[_Block] = []
-        blocks = self._blocks
-        cur = blocks.get(ch.head) if ch.head is not None else None
-        while cur is not None and cur.state is ch:
+    def _chain_blocks(self, ch: _Chain) -> list[int]:
+        """The chain's records, deepest first."""
+        out: list[int] = []
+        find, state, haspar, par = self._find, self._state, self._haspar, self._par
+        cur = find(ch.head) if ch.head is not None else _NONE
+        while cur != _NONE and state[cur] is ch:
             out.append(cur)
-            cur = blocks.get(cur.parent) if cur.parent is not None else None
+            cur = find(par[cur]) if haspar[cur] else _NONE
         return out
 
-    def _collect(self, rec: _Block, n: int) -> array[int] | None:
-        """The first `n` tokens of the chain root..rec, or None when some are gone."""
-        blocks = self._blocks
+    def _collect(self, r: int, n: int) -> array[int] | None:
+        """The first `n` tokens of the chain root..r, or None when some are gone."""
         max_chain = self._max_chain
+        clen, tlen, state = self._clen, self._tlen, self._state
         segs: list[array[int]] = []
-        cur = rec
+        cur = r
         while True:
-            st = cur.state
-            if not isinstance(st, _Chain):
+            st = state[cur]
+            if type(st) is not _Chain:
                 return None
+            cur_len = clen[cur]
             if st.status == _RESOLVED:
                 ref = st.tokens
-                if ref is None or len(ref) < min(cur.chain_len, max_chain):
+                if ref is None or len(ref) < min(cur_len, max_chain):
                     return None
-                segs.append(ref[: min(cur.chain_len, max_chain)])
+                segs.append(ref[: min(cur_len, max_chain)])
                 break
             if st.status != _PENDING:
                 return None
-            parent: _Block | None = None
+            parent = _NONE
             parent_len = 0
-            if cur.parent is not None:
-                parent = blocks.get(cur.parent)
-                if parent is None:
+            if self._haspar[cur]:
+                parent = self._find(self._par[cur])
+                if parent == _NONE:
                     return None
-                parent_len = parent.chain_len
-            if len(cur) != min(cur.chain_len, max_chain) - min(parent_len, max_chain):
+                parent_len = clen[parent]
+            if tlen[cur] != min(cur_len, max_chain) - min(parent_len, max_chain):
                 return None
-            if len(cur):
-                segs.append(cur)
-            if parent is None:
+            if tlen[cur]:
+                segs.append(self._tokens_of(cur))
+            if parent == _NONE:
                 break
             cur = parent
         out: array[int] = array("I")
@@ -1069,25 +1272,25 @@ class Tracker:
             del out[n:]
         return out
 
-    def _fork_tokens(self, w: _Chain) -> tuple[_Block, array[int]] | None:
-        """The fork block and `w`'s own tokens after it, or None when its path is broken."""
+    def _fork_tokens(self, w: _Chain) -> tuple[int, array[int]] | None:
+        """The fork record and `w`'s own tokens after it, or None when its path is broken."""
         path = self._chain_blocks(w)
-        if not path or path[-1].parent != w.fork_at or w.fork_at is None:
+        if not path or w.fork_at is None or self._parent_of(path[-1]) != w.fork_at:
             return None
-        fork = self._blocks.get(w.fork_at)
-        if fork is None:
+        fork = self._find(w.fork_at)
+        if fork == _NONE:
             return None
         toks: array[int] = array("I")
         for r in reversed(path):
-            toks.extend(r)
+            toks.extend(self._tokens_of(r))
         return fork, toks
 
     def _match_resolved_fork(self, w: _Chain) -> None:
         """`w` starts under a pre-anchor block of a resolved chain: compare, then take its key,
         probe at the divergence, or ask with the whole chain."""
-        fork = self._blocks.get(w.fork_at) if w.fork_at is not None else None
-        base = fork.state if fork is not None else None
-        if not isinstance(base, _Chain) or base.status != _RESOLVED or base.key is None:
+        fork = self._find(w.fork_at) if w.fork_at is not None else _NONE
+        base = self._state[fork] if fork != _NONE else None
+        if type(base) is not _Chain or base.status != _RESOLVED or base.key is None:
             self._ask_alone(w)
             return
         d = self._compare(w, base)
@@ -1105,7 +1308,7 @@ class Tracker:
             self._ask_alone(w)
             return None
         fork, toks = got
-        c0 = fork.chain_len
+        c0 = self._clen[fork]
         d = base.d
         span = min(d, len(ref)) - c0
         if span <= 0:
@@ -1128,6 +1331,7 @@ class Tracker:
     def _resolve_chain(self, chain: _Chain, key: bytes, d: int) -> None:
         """Settle `chain` as resolved at d, and through it the branches that waited for it."""
         k = self._intern(key)
+        clen = self._clen
         work = [(chain, d)]
         while work:
             ch, d = work.pop()
@@ -1135,8 +1339,8 @@ class Tracker:
                 continue
             recs = self._chain_blocks(ch)
             tokens = None
-            if recs and recs[-1].chain_len < d:  # some blocks stay pre-anchor: keep root..d
-                tokens = self._collect(recs[0], min(d, recs[0].chain_len, self._max_chain))
+            if recs and clen[recs[-1]] < d:  # some blocks stay pre-anchor: keep root..d
+                tokens = self._collect(recs[0], min(d, clen[recs[0]], self._max_chain))
                 if tokens is not None:
                     tokens = array("I", tokens)  # exact size
                     self._tokens += len(tokens)
@@ -1146,25 +1350,26 @@ class Tracker:
             ch.key = key
             ch.d = d
             ch.tokens = tokens
-            anchor: _Block | None = None
+            anchor = _NONE
             for r in recs:
-                if r.chain_len >= d:
+                if clen[r] >= d:
                     self._attribute(r, k)
                     ch.nblocks -= 1
                     anchor = r
                 else:
                     self._drop_tokens(r)  # `ch.tokens` has them
-            ch.anchor = None if anchor is None else anchor.hash
+            ch.anchor = None if anchor == _NONE else self._hash[anchor]
             if ch.nblocks == 0:
                 self._free_chain_tokens(ch)
             forks, ch.forks = ch.forks, []
             for w in forks:
                 if w.status != _PENDING:
                     continue
-                fork = self._blocks.get(w.fork_at) if w.fork_at is not None else None
-                if fork is not None and fork.state is k:  # under an attributed block
+                fork = self._find(w.fork_at) if w.fork_at is not None else _NONE
+                fork_state = self._state[fork] if fork != _NONE else None
+                if fork_state is k:  # under an attributed block
                     work.append((w, 0))
-                elif fork is not None and fork.state is ch:
+                elif fork != _NONE and fork_state is ch:
                     wd = self._compare(w, ch)
                     if wd is not None:
                         work.append((w, wd))
@@ -1180,16 +1385,16 @@ class Tracker:
         if ch.tokens is not None and len(ch.tokens) > d:
             self._tokens -= len(ch.tokens) - d
             ch.tokens = ch.tokens[:d]
-        blocks = self._blocks
-        anchor = blocks.get(ch.anchor) if ch.anchor is not None else None
-        if anchor is not None:
-            cur = blocks.get(anchor.parent) if anchor.parent is not None else None
-            while cur is not None and cur.state is ch and cur.chain_len >= d:
-                parent = cur.parent
+        find, state, clen = self._find, self._state, self._clen
+        anchor = find(ch.anchor) if ch.anchor is not None else _NONE
+        if anchor != _NONE:
+            cur = find(self._par[anchor]) if self._haspar[anchor] else _NONE
+            while cur != _NONE and state[cur] is ch and clen[cur] >= d:
+                parent = self._parent_of(cur)
                 self._attribute(cur, k)
                 ch.nblocks -= 1
-                ch.anchor = cur.hash
-                cur = blocks.get(parent) if parent is not None else None
+                ch.anchor = self._hash[cur]
+                cur = find(parent) if parent is not None else _NONE
         # Pre-anchor blocks not reachable from the anchor are attributed when a child arrives.
         if ch.nblocks == 0:
             self._free_chain_tokens(ch)
@@ -1211,7 +1416,7 @@ class Tracker:
             self._n_pending -= 1
             self._cancel_request(ch)
             for r in self._chain_blocks(ch):
-                r.state = None
+                self._state[r] = None
                 ch.nblocks -= 1
                 self._drop_tokens(r)
             work.extend(ch.forks)
@@ -1233,8 +1438,9 @@ class Tracker:
             self._tokens -= len(ch.tokens)
             ch.tokens = None
 
-    def _chain_lost_block(self, ch: _Chain, rec: _Block) -> None:
-        """`rec` (state `ch`) was removed or pruned (already out of `_blocks`), or attributed."""
+    def _chain_lost_block(self, ch: _Chain, r: int) -> None:
+        """Record `r` (state `ch`) was removed or pruned (already out of the index), or
+        attributed."""
         ch.nblocks -= 1
         if ch.status == _RESOLVED:
             if ch.nblocks == 0:
@@ -1242,20 +1448,20 @@ class Tracker:
             return
         if ch.status != _PENDING:
             return
-        blocks = self._blocks
-        lost = {rec.hash}
-        if ch.head != rec.hash:
+        h = self._hash[r]
+        lost = {h}
+        if ch.head != h:
             # A block in the middle went: the blocks below it lost their path to the root.
-            below = self._chain_blocks(ch)  # stops at the gap `rec` left
-            for r in below:
-                r.state = None
+            below = self._chain_blocks(ch)  # stops at the gap `r` left
+            for b in below:
+                self._state[b] = None
                 ch.nblocks -= 1
-                self._drop_tokens(r)
-                lost.add(r.hash)
+                self._drop_tokens(b)
+                lost.add(self._hash[b])
             if below:
                 self._count_unattributed(UnattributedReason.TOKENS_UNAVAILABLE)
-        parent = blocks.get(rec.parent) if rec.parent is not None else None
-        ch.head = parent.hash if parent is not None and parent.state is ch else None
+        parent = self._find(self._par[r]) if self._haspar[r] else _NONE
+        ch.head = self._hash[parent] if parent != _NONE and self._state[parent] is ch else None
         if ch.inflight is not None and ch.inflight in lost and ch.head is not None:
             # The answer out is about a path the chain no longer has: what grows from its new
             # head may be another branch. Ask again for what is left.
