@@ -247,6 +247,8 @@ def _extra_keys(v: Any) -> tuple[Any, ...] | None:
         raise _Drop(DropReason.MALFORMED_EVENT)
     if v.count(None) == len(v):  # the common case: [None] * len(block_hashes)
         return tuple(v)
+    if len(v) == 1 and type(first := v[0]) is list and all(type(x) is str for x in first):
+        return (tuple(first),)  # the other common one: a salted root block's [[salt]]
     types = set(map(type, v))
     if list in types or dict in types:
         return tuple([_freeze(x) for x in v])

@@ -53,8 +53,10 @@ def encode_record(record: Record) -> bytes:
     data = _plain_data(record)
     if data is None:
         data = json.dumps(record_data(record), separators=_SEPARATORS)
-    head = f"id: {record.id}\n" if record.id is not None else ""
-    return f"{head}event: {record.event.value}\ndata: {data}\n\n".encode()
+    # f"{member}" of a StrEnum is its value, without the Python-level `.value` property
+    if record.id is not None:
+        return f"id: {record.id}\nevent: {record.event}\ndata: {data}\n\n".encode()
+    return f"event: {record.event}\ndata: {data}\n\n".encode()
 
 
 _UPSERTS = (RecordEvent.CACHE_CREATED, RecordEvent.CACHE_OFFLOADED)
@@ -65,12 +67,12 @@ def _plain_data(record: Record) -> str | None:
     `json.dumps(record_data(record))`, written directly; None when a field is not of the plain
     kind this relies on (then the caller uses `json.dumps`). Nothing here needs JSON escaping:
     a prefix hash of ASCII letters and digits, the backend name quoted by `json.dumps` once
-    (`_quoted`), enum values, an int, and a finite float, whose JSON form is its `repr`."""
+    (`_head`), enum values, an int, and a finite float, whose JSON form is its `repr`."""
     event = record.event
     ts = round(record.ts, 3)
     if type(ts) is not float or ts - ts != 0.0:
         return None
-    head = f'{{"event":"{event.value}","backend":{_quoted(record.backend)}'
+    head = _head(event, record.backend)
     if event is RecordEvent.CACHE_CLEARED:
         return f'{head},"ts":{ts!r}}}'
     prefix = record.prefix_hash
@@ -81,13 +83,13 @@ def _plain_data(record: Record) -> str | None:
     count, tier = record.token_count, record.tier
     if type(count) is not int or tier is None:
         return None
-    return f'{head},"prefix_hash":"{prefix}","token_count":{count},"tier":"{tier.value}","ts":{ts!r}}}'
+    return f'{head},"prefix_hash":"{prefix}","token_count":{count},"tier":"{tier}","ts":{ts!r}}}'
 
 
-@functools.lru_cache(maxsize=256)
-def _quoted(text: str) -> str:
-    """A JSON string literal, as `json.dumps` writes it (backend names: a few per process)."""
-    return json.dumps(text)
+@functools.lru_cache(maxsize=1024)
+def _head(event: RecordEvent, backend: str) -> str:
+    """`{"event":"...","backend":"..."` (a few backends per process)."""
+    return f'{{"event":"{event.value}","backend":{json.dumps(backend)}'
 
 
 def encode_records(records: Iterable[Record]) -> bytes:
