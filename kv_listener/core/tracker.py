@@ -164,7 +164,11 @@ SaltVerifier = Callable[[str], bytes | None]
 
 
 class _Key:
-    """An interned prefix key and the aggregates of its attributed blocks."""
+    """An interned prefix key and the aggregates of its attributed blocks.
+
+    `lengths` counts the attributed blocks per chain length, so that `max_len` is known again
+    when the longest goes; it stays None while every block has the same length (a salted
+    single-block chain, the first block of any key), which saves a dict per such key."""
 
     __slots__ = ("blocks", "gpu", "key", "lengths", "max_len", "prefix_hash")
 
@@ -173,17 +177,23 @@ class _Key:
         self.prefix_hash = key.hex()
         self.blocks = 0  # attributed blocks retained
         self.gpu = 0  # ... of which in GPU memory
-        self.lengths: dict[int, int] = {}  # chain length -> attributed blocks with it
+        self.lengths: dict[int, int] | None = None  # chain length -> attributed blocks with it
         self.max_len = 0
 
     def tier(self) -> Tier:
         return Tier.GPU_HOT if self.gpu else Tier.STORAGE_WARM
 
     def add(self, chain_len: int, gpu: bool) -> None:
-        self.blocks += 1
         if gpu:
             self.gpu += 1
         lengths = self.lengths
+        if lengths is None:
+            if not self.blocks or chain_len == self.max_len:
+                self.blocks += 1
+                self.max_len = chain_len
+                return
+            lengths = self.lengths = {self.max_len: self.blocks}
+        self.blocks += 1
         lengths[chain_len] = lengths.get(chain_len, 0) + 1
         self.max_len = max(self.max_len, chain_len)
 
@@ -192,6 +202,10 @@ class _Key:
         if gpu:
             self.gpu -= 1
         lengths = self.lengths
+        if lengths is None:  # every block had max_len
+            if not self.blocks:
+                self.max_len = 0
+            return
         left = lengths[chain_len] - 1
         if left:
             lengths[chain_len] = left
