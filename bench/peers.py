@@ -95,7 +95,7 @@ from peers_workloads import (
 from kv_listener.config import Limits
 from kv_listener.core.decode import DecodedBatch, decode_zmq_payload
 from kv_listener.core.model import Engine
-from kv_listener.core.salt import verify_cache_salt
+from kv_listener.core.salt import SaltVerifier
 from kv_listener.core.tracker import Tracker
 from kv_listener.sim.publisher import SimPublisher
 
@@ -351,7 +351,7 @@ def run_floors(stream: Stream, seconds: float, reps: int) -> dict[str, Any]:
     for name, fn in cases:
         out[name] = rate(fn, frames, round(per_frame), seconds)
 
-    verify = lambda salt: verify_cache_salt(SECRET, BACKEND, salt)  # noqa: E731
+    verify = SaltVerifier(SECRET, BACKEND)  # as the daemon verifies
     times = []
     for _ in range(reps):
         tracker = Tracker(engine=Engine.VLLM, model=MODEL, limits=Limits(), salt_verifier=verify)

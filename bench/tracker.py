@@ -39,7 +39,7 @@ from kv_listener.core.model import (
     ResolveStatus,
 )
 from kv_listener.core.prefix import DEFAULT_MAX_PREFIX_LENGTH, prefix_key
-from kv_listener.core.salt import issue_cache_salt, verify_cache_salt
+from kv_listener.core.salt import SaltVerifier, issue_cache_salt
 from kv_listener.core.tracker import Tracker
 
 BS = 16
@@ -126,7 +126,7 @@ def bench_memory(n_blocks: int) -> None:
         assert t.tokens_retained == 0 and t.blocks_tracked == n_blocks and t.pending == 0
     finally:
         tracemalloc.stop()
-    verify = partial(verify_cache_salt, SECRET, BACKEND)
+    verify = SaltVerifier(SECRET, BACKEND)
     salted, t2 = traced(lambda t: salted_fill(t, n_blocks, 64, 100),
                         partial(mk, salt_verifier=verify))
     assert t2.blocks_tracked == n_blocks and t2.tokens_retained == 0
@@ -256,7 +256,7 @@ def bench_chat(n_users: int, n_prompts: int, hint: bool, seed: int = 7) -> None:
 
 
 def bench_salted_throughput(n_blocks: int) -> None:
-    verify = partial(verify_cache_salt, SECRET, BACKEND)
+    verify = SaltVerifier(SECRET, BACKEND)
     t = Tracker(engine=Engine.VLLM, model=MODEL, limits=Limits(), salt_verifier=verify)
     salt = issue_cache_salt(SECRET, BACKEND, hashlib.sha256(b"k").digest())
     batches = []
