@@ -195,7 +195,8 @@ class _Key:
             lengths = self.lengths = {self.max_len: self.blocks}
         self.blocks += 1
         lengths[chain_len] = lengths.get(chain_len, 0) + 1
-        self.max_len = max(self.max_len, chain_len)
+        if chain_len > self.max_len:  # noqa: PLR1730 (no call to max on the hot path)
+            self.max_len = chain_len
 
     def remove(self, chain_len: int, gpu: bool) -> None:
         self.blocks -= 1
@@ -718,7 +719,8 @@ class Tracker:
         tokens: array[int] | None,
     ) -> int:
         """Add the record of `h` (not tracked yet) as the newest; returns its slot."""
-        chain_len = min(chain_len, _U64)  # only absurd tokenless block sizes get past 2^64
+        if chain_len > _U64:  # noqa: PLR1730 (no call to min on the hot path)
+            chain_len = _U64  # absurd tokenless block sizes only
         free = self._free
         if free:
             r = free.pop()
