@@ -592,15 +592,16 @@ def decode_zmq_payload(
         fast = _decode_typed(engine, payload, seq, max_event_tokens, max_event_hashes)
         if fast is not None:
             return fast
-    return _decode_reference(engine, payload, seq, max_event_tokens, max_event_hashes)
+    return _decode_reference(engine, payload, seq, max_event_tokens, max_event_hashes, max_len)
 
 
 def _decode_reference(
     engine: Engine, payload: bytes | bytearray | memoryview, seq: int | None,
-    max_event_tokens: int, max_event_hashes: int,
+    max_event_tokens: int, max_event_hashes: int, max_len: int,
 ) -> DecodedBatch:
-    """Any payload: generic unpacking, then every event read field by field and judged alone."""
-    ts, events, dp = _envelope(_unpack(payload, 2 * max(max_event_tokens, max_event_hashes)))
+    """Any payload: generic unpacking (arrays and maps up to `max_len` elements), then every
+    event read field by field and judged alone."""
+    ts, events, dp = _envelope(_unpack(payload, max_len))
     array_table, map_table = _TABLES[engine]
     out: list[KvEvent] = []
     drops: Counter[str] = Counter()
@@ -670,23 +671,20 @@ def _decode_typed(
                 if len(hs) > max_event_hashes:
                     drops[DropReason.TOO_MANY_HASHES] += 1
                     continue
-                parent = ev.parent_block_hash
-                hashes = tuple([h & _M for h in hs])
-                tokens = _tokens(toks, False)
                 if not sglang:
-                    out.append(BlockStored(
-                        hashes, None if parent is None else parent & _M, tokens, ev.block_size,
-                        ev.lora_id, ev.lora_name, ev.medium, ev.group_idx,
-                        _extra_keys(ev.extra_keys), None, ev.kv_cache_spec_kind))
+                    lora_name, group, extra, salt, kind = (
+                        ev.lora_name, ev.group_idx, _extra_keys(ev.extra_keys), None,
+                        ev.kv_cache_spec_kind)
+                elif t is wire.SglangStoredArray:
+                    lora_name, group, extra, kind = None, None, None, None
+                    salt = None if ev.meta is None else ev.meta.cache_salt
                 else:
-                    if t is wire.SglangStoredArray:
-                        meta = ev.meta
-                        lora_name, salt = None, None if meta is None else meta.cache_salt
-                    else:
-                        lora_name, salt = ev.lora_name, ev.cache_salt
-                    out.append(BlockStored(
-                        hashes, None if parent is None else parent & _M, tokens, ev.block_size,
-                        ev.lora_id, lora_name, ev.medium, None, None, salt, None))
+                    lora_name, group, extra, salt, kind = ev.lora_name, None, None, ev.cache_salt, None
+                parent = ev.parent_block_hash
+                out.append(BlockStored(
+                    tuple([h & _M for h in hs]), None if parent is None else parent & _M,
+                    _tokens(toks, False), ev.block_size, ev.lora_id, lora_name, ev.medium, group,
+                    extra, salt, kind))
             elif t in _REMOVED_TYPES:
                 hs = ev.block_hashes
                 if len(hs) > max_event_hashes:

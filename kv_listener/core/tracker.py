@@ -422,13 +422,6 @@ class Tracker:
             r = self._newer[r]
         return out
 
-    def memory_bytes(self) -> int:
-        """Bytes of the record columns, index and token arena (allocated sizes)."""
-        arrays = (self._idx, self._hash, self._par, self._clen, self._toff, self._tlen,
-                  self._older, self._newer, self._free, self._arena)
-        return (sum(a.buffer_info()[1] * a.itemsize for a in arrays)
-                + len(self._media) + len(self._haspar) + 8 * len(self._state))
-
     def forget_requests(self) -> None:
         """Consider every request handed out lost (call when the resolver was replaced and will
         never answer them): their chains ask again at the next `take_resolve_requests`."""
