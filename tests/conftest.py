@@ -6,9 +6,14 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
+from redis.asyncio import Redis
+
+if TYPE_CHECKING:  # tests.support.redis_server imports free_port from here
+    from tests.support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -36,3 +41,20 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
     """An HTTP client session for tests that talk to a real server."""
     async with aiohttp.ClientSession() as s:
         yield s
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server on 127.0.0.1 for the test (tests/support/redis_server.py)."""
+    from tests.support.redis_server import RedisServer  # noqa: PLC0415 (see the import above)
+
+    with RedisServer(tmp_path) as server:
+        yield server
+
+
+@pytest.fixture
+async def raw_redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    """A plain client of that server, to look at the keys an index wrote."""
+    client = Redis.from_url(redis_server.url, decode_responses=True)
+    yield client
+    await client.aclose()

@@ -4,8 +4,7 @@ in-memory index and, for clear/stats/503, a real Redis index on a real redis-ser
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -196,12 +195,6 @@ async def test_metrics_endpoint_serves_the_router_registry(admin: Admin) -> None
         in text
     assert 'continuum_kv_consumer_connected{backend="vllm-1"} 0.0' in text
     assert "continuum_cache_fallback_active 0.0" in text
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path) as server:
-        yield server
 
 
 async def test_redis_clear_and_stats(redis_server: RedisServer) -> None:

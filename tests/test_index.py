@@ -5,7 +5,7 @@ pipelines, TLS, and the in-memory fallback while Redis is down)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,19 +53,6 @@ WARM_NO_EVICT = StorageOffloadingConfig(enabled=True, treat_eviction_as_offload=
 
 def ev(kind: PrefixEventType, backend: str, prefix: str | None = None, tokens: int = 0) -> IndexEvent:
     return IndexEvent(kind, backend, prefix, tokens)
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path) as server:
-        yield server
-
-
-@pytest.fixture
-async def raw_redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server.url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 def redis_index(server: RedisServer, *, offloading: StorageOffloadingConfig = OFF,

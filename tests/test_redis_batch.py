@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -126,19 +125,6 @@ class RedisCounters:
     def since(self, before: RedisCounters) -> RedisCounters:
         # The INFO that read `self` is one read event of its own.
         return RedisCounters(self.reads - before.reads - 1, self.lookups - before.lookups)
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path) as server:
-        yield server
-
-
-@pytest.fixture
-async def raw_redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_server.url, decode_responses=True)
-    yield client
-    await client.aclose()
 
 
 @pytest.fixture

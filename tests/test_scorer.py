@@ -5,8 +5,6 @@ the scorer is a real InMemoryKvIndex (and a real Redis one for shared concurrent
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -265,12 +263,6 @@ async def test_decisions_and_overlap_histogram_are_recorded(rig: Rig) -> None:
     assert rig.registry.get_sample_value("continuum_kv_index_overlap_score_sum") == 2.0
     assert rig.scorer.stats.to_json() == {"kv_aware": 2, "fallback": 1, "total": 3}
     assert rig.scorer.stats.overlap_scores == 2
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    with RedisServer(tmp_path) as server:
-        yield server
 
 
 async def test_concurrent_prepares_share_one_index_query(redis_server: RedisServer) -> None:
