@@ -713,6 +713,8 @@ def vllm_salt_candidates(event: BlockStored) -> tuple[str, ...]:
     first = event.extra_keys[0]
     if type(first) is not tuple:
         return ()
+    if len(first) == 1 and event.lora_name is None and type(first[0]) is str:
+        return first  # the common case: a salted root block, its salt alone
     strs = [x for x in first if type(x) is str]
     if strs and event.lora_name is not None and strs[0] == event.lora_name:
         strs = strs[1:]

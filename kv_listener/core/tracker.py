@@ -958,11 +958,6 @@ class Tracker:
         if self._engine is Engine.VLLM:
             if ev.cache_salt is not None and ev.cache_salt.startswith(SALT_PREFIX):
                 return ev.cache_salt
-            extra = ev.extra_keys
-            if extra and type(first := extra[0]) is tuple and len(first) == 1 \
-                    and ev.lora_name is None and type(salt := first[0]) is str:
-                # the common case, a root block whose only extra key is its salt
-                return salt if salt.startswith(SALT_PREFIX) else None
             for s in reversed(vllm_salt_candidates(ev)):  # the salt comes last (§2.6)
                 if s.startswith(SALT_PREFIX):
                     return s
