@@ -6,6 +6,11 @@ custom collector: nothing is counted twice and the hot path pays no Prometheus l
 
 Label values come from fixed sets only: `backend` from the configured sources, `reason` from the
 drop/clear Enums, `event` from the SSE event names.
+
+Also owns the process metrics every `/metrics` of ours carries (`add_process_collectors`: the
+listener's registry here, the router's in `kv_listener.router.app`): prometheus_client's own
+`process_*` (RSS, CPU seconds, open and max fds, start time) and `python_info`, under their
+standard names so that stock dashboards and alerts work on them.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, PlatformCollector, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -76,6 +81,14 @@ _TRACKER_GAUGES: tuple[tuple[str, str], ...] = (
     ("tokens_retained", "Token IDs retained for detokenization (4 bytes each)."),
     ("prefixes_live", "Prefixes currently live on the backend."),
     ("chains_pending", "Chains waiting for more blocks or a detokenize answer."),
+)
+# The configured bounds (SPEC §4), beside the gauges they bound: "near the limit" is a ratio.
+_LIMIT_GAUGES: tuple[tuple[str, str], ...] = (
+    ("limit_max_tracked_blocks", "Configured bound of blocks_tracked (limits.max_tracked_blocks)."),
+    ("limit_max_retained_tokens",
+     "Configured bound of tokens_retained (limits.max_retained_tokens)."),
+    ("limit_max_chain_tokens",
+     "Longest chain whose tokens are kept for detokenization (limits.max_chain_tokens)."),
 )
 _TRACKER_COUNTERS: tuple[tuple[str, str], ...] = (
     ("token_count_mismatch", "Events whose token count does not fit their block size."),
@@ -156,7 +169,7 @@ class ListenerCollector(Collector):
         yield depth
         yield engine_up
 
-        for name, doc in _TRACKER_GAUGES:
+        for name, doc in _TRACKER_GAUGES + _LIMIT_GAUGES:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["backend"])
             for v in views:
                 if name in v.tracker:
@@ -218,10 +231,22 @@ class ListenerCollector(Collector):
             yield c
 
 
+def add_process_collectors(registry: CollectorRegistry) -> CollectorRegistry:
+    """Register the process metrics (`process_resident_memory_bytes`, `process_open_fds`,
+    `process_cpu_seconds_total`, `process_start_time_seconds`, ...; read from /proc at scrape
+    time, absent where there is none) and `python_info` on `registry`; returns it.
+
+    For registries of our own only: prometheus_client's global registry already has them, and
+    registering them twice on one registry raises (duplicated timeseries)."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
+
+
 def new_registry(collector: Collector | None = None) -> CollectorRegistry:
     """A registry of our own (not the global one), so several listeners can live in one process
-    (tests, the demo) without clashing."""
-    registry = CollectorRegistry(auto_describe=True)
+    (tests, the demo) without clashing; it carries the process metrics."""
+    registry = add_process_collectors(CollectorRegistry(auto_describe=True))
     if collector is not None:
         registry.register(collector)
     return registry

@@ -447,10 +447,15 @@ class Tracker:
         return n
 
     def stats(self) -> dict[str, int]:
-        """Gauges and counters for /stats and metrics (plain ints)."""
+        """Gauges and counters for /stats and metrics (plain ints). The `limit_*` entries are the
+        configured bounds, so that `blocks_tracked` and `tokens_retained` can be read (and alerted
+        on) as a fraction of them."""
         return {
             "blocks_tracked": self.blocks_tracked,
             "tokens_retained": self.tokens_retained,
+            "limit_max_tracked_blocks": self._max_blocks,
+            "limit_max_retained_tokens": self._max_tokens,
+            "limit_max_chain_tokens": self._max_chain,
             "prefixes_live": self.prefixes_live,
             "pending": self.pending,
             "inflight": self.inflight,

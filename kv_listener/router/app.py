@@ -35,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from kv_listener.config import ConfigError
 from kv_listener.httpserver import RunningServer, serve
 from kv_listener.logging import apply_config_logging, get_logger
+from kv_listener.metrics import add_process_collectors
 from kv_listener.router.admin import create_admin_app
 from kv_listener.router.bus_server import EventBusServer
 from kv_listener.router.config import RouterConfig, load_router_config
@@ -92,7 +93,9 @@ class Router:
         for, built and closed by the router)."""
         self.config = config
         self.config_path = config_path
-        self.registry = registry if registry is not None else CollectorRegistry()
+        # An embedder's registry is left as it is (the global one has process metrics already).
+        self.registry = (registry if registry is not None
+                         else add_process_collectors(CollectorRegistry()))
         self.metrics = RouterMetrics(self.registry, self._backend_names(config))
         self.index: KvIndex | None = index
         self._owns_index = index is None
