@@ -116,12 +116,21 @@ async def test_prefix_holders_sorted_by_score(admin: Admin) -> None:
     assert admin.scorer.stats.to_json()["total"] == 0
 
 
-async def test_prefix_unknown_or_malformed_is_404(admin: Admin) -> None:
+async def test_prefix_unknown_is_404_malformed_is_400(admin: Admin) -> None:
     await fill(admin.index)
-    for bad in ("00" * 32, "not-a-hash", P.upper()):
+    status, body = await admin.get(f"/admin/kv-index/prefix/{'00' * 32}")
+    assert (status, body) == (404, {"error": "unknown prefix_hash"})
+    # Not a prefix hash at all: the client's mistake, not an unknown prefix. Uppercase too:
+    # SPEC §2's prefix_hash is lowercase hex, the form the index is keyed by (P is held).
+    for bad in ("not-a-hash", P.upper(), P[:63], P + "0", "g" * 64, "%20" + P[3:]):
         status, body = await admin.get(f"/admin/kv-index/prefix/{bad}")
-        assert status == 404
-        assert "unknown prefix_hash" in body["error"]
+        assert status == 400, bad
+        assert body == {"error": "malformed prefix_hash: expected 64 lowercase hex digits"}
+    assert (await admin.get(f"/admin/kv-index/prefix/{P}"))[0] == 200
+
+
+async def test_healthz(admin: Admin) -> None:
+    assert await admin.get("/healthz") == (200, {"status": "ok"})
 
 
 async def test_stats_shape(admin: Admin) -> None:

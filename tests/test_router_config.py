@@ -392,8 +392,9 @@ def test_admin_and_log() -> None:
     assert one_error({**base(), "admin": {"listen": "nowhere"}}).startswith("admin.listen: invalid")
     assert one_error({**base(), "log": {"level": "trace"}}).startswith("log.level: must be one of")
     w = warnings_of({**base(), "admin": {"listen": "0.0.0.0:8090"}})
-    assert w == ["admin.listen: is not a loopback address: the admin endpoints have no "
-                 "authentication (POST /admin/kv-index/clear empties the index)"]
+    assert w == ["admin.listen: is not a loopback address and admin.auth is not set: anyone "
+                 "who reaches it can use the admin API (POST /admin/kv-index/clear empties the "
+                 "index); set admin.auth.tokens"]
 
 
 def test_all_errors_at_once() -> None:

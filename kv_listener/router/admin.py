@@ -9,17 +9,31 @@ Owns: the routes and their JSON; serving the app (uvicorn on `admin.listen`) is 
   prefix (`kv_cache_index.key_prefix`, default `cr:kvidx:`), which all routers sharing that Redis
   use: they lose their index too. Every index refills from the event streams as events arrive.
 - `GET  /admin/kv-index/prefix/{prefix_hash}` -> `{"prefix_hash", "holders": [{"backend",
-  "token_count", "tier", "score"}]}`, best score first, `404` when no backend holds it.
+  "token_count", "tier", "score"}]}`, best score first; `400` when `prefix_hash` is not 64
+  lowercase hex digits (SPEC §2's form, the one the index keys use), `404` when no backend
+  holds a well-formed one.
 - `GET  /metrics`                  the router's Prometheus registry, when one is given.
+- `GET  /healthz`                  `{"status": "ok"}` while the process serves (liveness probe).
 
-The endpoints have no authentication: `admin.listen` defaults to 127.0.0.1 and the config warns
-when it is not a loopback address.
+Authentication (`admin.auth`, optional; the seed: "all admin endpoints ... need authentication
+depending on configuration"): without it nothing is checked (`admin.listen` defaults to
+127.0.0.1 and the config warns when it is not a loopback address). With it, every request needs
+`authorization: Bearer <token>` whose SHA-256 is one of `admin.auth.tokens[].token_hash`, except
+`GET /healthz` (a kubelet's probe carries no credential) and `GET /metrics` unless
+`admin.auth.protect_metrics` (Prometheus can send a bearer token, `authorization.credentials_file`
+in its scrape config, but many scrape setups cannot; the metrics hold no prefix hash). Unknown
+paths are refused like known ones, so a client without a token learns nothing about the routes.
+A refusal is `401` with `www-authenticate: Bearer realm="continuum-kv-router"`, counted in
+`continuum_kv_admin_auth_failures_total{reason}` and logged as `admin_auth_failed` (reason,
+method, path, client address; never the header), at most once a minute per reason with the
+count of the refusals held back meanwhile. Tokens are compared by their SHA-256 in constant time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -27,16 +41,29 @@ from typing import Any
 import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kv_listener.router.config import RouterConfig
+from kv_listener.router.config import AdminAuthConfig, RouterConfig
 from kv_listener.router.index import PREFIX_HASH_RE, BackendEntries, IndexStats, KvIndex
+from kv_listener.router.metrics import AuthFailure, RouterMetrics
+from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S, LogThrottle
 from kv_listener.router.redis_index import REDIS_ERRORS, IndexUnavailableError
 from kv_listener.router.scorer import KvOverlapScorer, PreparedPrefix
 
 log = structlog.get_logger(__name__)
+
+AUTH_REALM = "continuum-kv-router"
+#: The longest request path an `admin_auth_failed` line carries (a scanner's paths are junk).
+_LOGGED_PATH_CHARS = 200
+_AUTH_ERRORS = {
+    AuthFailure.MISSING: "missing bearer token (authorization: Bearer <token>)",
+    AuthFailure.MALFORMED: "malformed authorization header (expected: Bearer <token>)",
+    AuthFailure.INVALID: "invalid bearer token",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +95,65 @@ def _unavailable(exc: BaseException) -> JSONResponse:
 _INDEX_DOWN: tuple[type[Exception], ...] = (IndexUnavailableError, *REDIS_ERRORS)
 
 
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | AuthFailure:
+    """The token of the request's one `authorization: Bearer <token>` header (raw bytes, as
+    hashed), or why there is none. The scheme is case-insensitive (RFC 9110 §11.1)."""
+    values = [v for k, v in headers if k.lower() == b"authorization"]
+    if not values:
+        return AuthFailure.MISSING
+    if len(values) > 1:
+        return AuthFailure.MALFORMED
+    scheme, _, token = values[0].strip().partition(b" ")
+    token = token.strip()
+    if scheme.lower() != b"bearer" or not token or b" " in token or b"\t" in token:
+        return AuthFailure.MALFORMED
+    return token
+
+
+class BearerAuth:
+    """ASGI middleware in front of the admin routes: refuses (401) an http request without a
+    valid bearer token unless `auth.exempt()` names its path (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, *, auth: AdminAuthConfig, metrics: RouterMetrics | None,
+                 log_interval_s: float = LOG_REPEAT_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.app = app
+        self.auth = auth
+        self.metrics = metrics
+        # One throttle per reason: a client alternating reasons must not defeat it.
+        self._throttles = {r: LogThrottle(log_interval_s, clock) for r in AuthFailure}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.auth.exempt(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        token = bearer_token(scope["headers"])
+        failure = token if isinstance(token, AuthFailure) else None
+        if failure is None and self.auth.match(token) is None:
+            failure = AuthFailure.INVALID
+        if failure is None:
+            await self.app(scope, receive, send)
+            return
+        self._refused(scope, failure)
+        challenge = f'Bearer realm="{AUTH_REALM}"'
+        if failure is AuthFailure.INVALID:
+            challenge += ', error="invalid_token"'  # RFC 6750 §3.1
+        response = JSONResponse({"error": _AUTH_ERRORS[failure]}, status_code=401,
+                                headers={"www-authenticate": challenge})
+        await response(scope, receive, send)
+
+    def _refused(self, scope: Scope, failure: AuthFailure) -> None:
+        if self.metrics is not None:
+            self.metrics.admin_auth_failed(failure)
+        held = self._throttles[failure].check(failure)
+        if held is None:
+            return
+        client = scope.get("client")
+        log.warning("admin_auth_failed", reason=failure.value, method=scope.get("method"),
+                    path=str(scope.get("path", ""))[:_LOGGED_PATH_CHARS],
+                    client=client[0] if client else None, suppressed=held)
+
+
 def create_admin_app(
     config: RouterConfig,
     index: KvIndex,
@@ -75,7 +161,12 @@ def create_admin_app(
     *,
     source_status: Callable[[], Iterable[SourceStatus]] = tuple,
     registry: CollectorRegistry | None = None,
+    metrics: RouterMetrics | None = None,
+    auth_log_interval_s: float = LOG_REPEAT_INTERVAL_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
+    """The admin app for `config`. `metrics` counts refused requests when `admin.auth` is set;
+    `auth_log_interval_s` and the monotonic `clock` bound its `admin_auth_failed` lines."""
     kv = config.kv_cache_index
 
     def sources() -> list[SourceStatus]:
@@ -162,8 +253,10 @@ def create_admin_app(
     async def prefix(request: Request) -> Response:
         prefix_hash = request.path_params["prefix_hash"]
         if not PREFIX_HASH_RE.match(prefix_hash):
-            return JSONResponse({"error": "unknown prefix_hash (expected 64 lowercase hex)"},
-                                status_code=404)
+            # Not a prefix hash at all (uppercase included: SPEC §2 keys are lowercase and the
+            # index never holds another form), so no prefix could ever be found under it.
+            return JSONResponse({"error": "malformed prefix_hash: expected 64 lowercase hex "
+                                          "digits"}, status_code=400)
         try:
             holders = await index.query(prefix_hash)
         except _INDEX_DOWN as exc:
@@ -180,16 +273,24 @@ def create_admin_app(
                         for b in scorer.breakdown(prepared)],
         })
 
-    async def metrics(_: Request) -> Response:
+    async def prometheus(_: Request) -> Response:
         assert registry is not None
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def healthz(_: Request) -> Response:
+        return JSONResponse({"status": "ok"})
 
     routes = [
         Route("/admin/kv-index/stats", stats, methods=["GET"]),
         Route("/admin/kv-index/backends", backends, methods=["GET"]),
         Route("/admin/kv-index/clear", clear, methods=["POST"]),
         Route("/admin/kv-index/prefix/{prefix_hash}", prefix, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
     ]
     if registry is not None:
-        routes.append(Route("/metrics", metrics, methods=["GET"]))
-    return Starlette(routes=routes)
+        routes.append(Route("/metrics", prometheus, methods=["GET"]))
+    middleware = []
+    if config.admin.auth is not None:
+        middleware.append(Middleware(BearerAuth, auth=config.admin.auth, metrics=metrics,
+                                     log_interval_s=auth_log_interval_s, clock=clock))
+    return Starlette(routes=routes, middleware=middleware)

@@ -10,10 +10,11 @@ Signals, as the listener's: SIGTERM/SIGINT stop cleanly and the process exits 0 
 so nothing writes the index any more; event-bus sessions end; the HTTP servers stop; the index
 closes). SIGHUP reloads the file: event sources are reconciled (added ones start, removed ones
 stop, changed ones restart and resume from their last event ID), the event bus's credentials are
-replaced (a session that lost its right to a backend gets `forbidden`), and the log level and
-format change. Everything else (the index backend and its sizing, scoring, the bus address and
-certificates, Redis, `admin.listen`) needs a restart, as the seed says of `kv_cache_index`: the
-reload logs `config_change_needs_restart` for it and keeps the running value. An invalid file is
+replaced (a session that lost its right to a backend gets `forbidden`), the admin API's bearer
+tokens (`admin.auth`) are replaced, and the log level and format change. Everything else (the
+index backend and its sizing, scoring, the bus address and certificates, Redis,
+`admin.listen`) needs a restart, as the seed says of `kv_cache_index`: the reload logs
+`config_change_needs_restart` for it and keeps the running value. An invalid file is
 logged as `config_reload_failed` and the running configuration stays.
 
 `Router` is also usable in-process (the demo embeds one): `await start()`, use `index`, `scorer`,
@@ -64,7 +65,8 @@ _RESTART_ONLY = (
     ("event_bus", "listen_port", "dynamo.event_bus.listen"),
     ("event_bus", "tls", "dynamo.event_bus.tls"),
     ("redis", None, "response_cache.redis"),
-    ("admin", None, "admin.listen"),
+    ("admin", "listen_host", "admin.listen"),
+    ("admin", "listen_port", "admin.listen"),
 )
 
 
@@ -182,7 +184,7 @@ class Router:
         assert self.index is not None and self.scorer is not None and self.consumers is not None
         return create_admin_app(self.config, self.index, self.scorer,
                                 source_status=self.consumers.source_statuses,
-                                registry=self.registry)
+                                registry=self.registry, metrics=self.metrics)
 
     async def stop(self) -> None:
         """Stop in order: consumers (nothing writes the index any more), event-bus sessions,
@@ -238,6 +240,8 @@ class Router:
             kv_cache_index=dataclasses.replace(old.kv_cache_index,
                                                event_sources=new.kv_cache_index.event_sources),
             event_bus=dataclasses.replace(old.event_bus, brokers=new.event_bus.brokers),
+            # Admin tokens rotate without a restart, as the bus's credentials do.
+            admin=dataclasses.replace(old.admin, auth=new.admin.auth),
             log=new.log, warnings=new.warnings,
         )
         self.config = running

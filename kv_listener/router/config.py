@@ -2,7 +2,8 @@
 
 Owns: the router file's key names, defaults and validation. The file holds the seed's
 `kv_cache_index` block, the seed's `dynamo.event_bus` block, Redis settings in the seed's
-`response_cache.redis` shape (used when `kv_cache_index.backend: redis`), `admin.listen` and
+`response_cache.redis` shape (used when `kv_cache_index.backend: redis`), `admin` (`listen`, and
+the optional bearer tokens of `auth`, stored as SHA-256 hashes as the bus's brokers are) and
 `log`. Validation follows `kv_listener.config`: unknown keys, wrong types and out-of-range
 values are errors naming their YAML path, all reported at once in one `ConfigError`; settings
 that work but probably do not do what the operator meant (the seed's
@@ -39,6 +40,8 @@ POOL_THRESHOLD = 0.3
 WEIGHT_SUM_TOLERANCE = 1e-6
 DEFAULT_KEY_PREFIX = "cr:kvidx:"
 _TOKEN_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_TOKEN_HASH_HINT = ("must be 'sha256:' followed by 64 lowercase hex digits "
+                    "(printf %s \"$TOKEN\" | sha256sum)")
 # SCAN MATCH patterns are built from the key prefix (admin clear); glob characters in it would
 # widen the match to other applications' keys.
 _GLOB_CHARS = frozenset("*?[]\\")
@@ -135,6 +138,13 @@ class RedisConfig:
         return self.tls or self.url.startswith("rediss://")
 
 
+def token_digest(token: str | bytes) -> str:
+    """`sha256:<64 lowercase hex>` of a bearer token: the form the router file stores tokens in
+    (`dynamo.event_bus.brokers[].token_hash`, `admin.auth.tokens[].token_hash`)."""
+    raw = token.encode("utf-8") if isinstance(token, str) else token
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class BrokerConfig:
     """One credential of the event bus (`dynamo.event_bus.brokers[]`)."""
@@ -148,9 +158,7 @@ class BrokerConfig:
         """Constant-time check of a presented bearer token against `token_hash`."""
         if self.token_hash is None:
             return False
-        raw = token.encode("utf-8") if isinstance(token, str) else token
-        digest = "sha256:" + hashlib.sha256(raw).hexdigest()
-        return hmac.compare_digest(digest, self.token_hash)
+        return hmac.compare_digest(token_digest(token), self.token_hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,9 +184,44 @@ class EventBusServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdminTokenConfig:
+    """One bearer token of the admin API (`admin.auth.tokens[]`), stored as a broker's is: its
+    SHA-256, never the token. `id` names the entry (rotation: add the new one, remove the old)."""
+
+    id: str
+    token_hash: str  # "sha256:<64 lowercase hex>"
+
+
+@dataclass(frozen=True, slots=True)
+class AdminAuthConfig:
+    """`admin.auth`: when present, every admin request needs `authorization: Bearer <token>`
+    except the ones `exempt()` names (`/healthz`, and `/metrics` unless `protect_metrics`)."""
+
+    tokens: tuple[AdminTokenConfig, ...]
+    protect_metrics: bool = False  # true: Prometheus must send a token too
+
+    def match(self, token: str | bytes) -> AdminTokenConfig | None:
+        """The entry whose hash the presented token has, else None. Every entry is compared
+        (in constant time each), so the time taken does not tell which one, if any, matched."""
+        digest = token_digest(token)
+        found: AdminTokenConfig | None = None
+        for entry in self.tokens:
+            if hmac.compare_digest(digest, entry.token_hash) and found is None:
+                found = entry
+        return found
+
+    def exempt(self, path: str) -> bool:
+        """Paths served without a token: the liveness probe (a kubelet sends no credential)
+        and, by default, the Prometheus scrape (nothing under /admin, which the seed says is
+        what needs authentication)."""
+        return path == "/healthz" or (path == "/metrics" and not self.protect_metrics)
+
+
+@dataclass(frozen=True, slots=True)
 class AdminConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 8090
+    auth: AdminAuthConfig | None = None  # None: no authentication (loopback only, warned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,8 +371,7 @@ def _broker(r: Reader, raw: Any, path: str, mtls: bool) -> BrokerConfig | None:
     role = r.enum(data, "role", path, BrokerRole)
     token_hash = r.typed(data, "token_hash", path, str, None, nullable=True)
     if token_hash is not None and not _TOKEN_HASH_RE.match(token_hash):
-        r.error(f"{path}.token_hash", "must be 'sha256:' followed by 64 lowercase hex digits "
-                                      "(printf %s \"$TOKEN\" | sha256sum)")
+        r.error(f"{path}.token_hash", _TOKEN_HASH_HINT)
     if token_hash is None and not mtls:
         r.error(path, "no credential: set token_hash, or dynamo.event_bus.tls.client_ca for "
                       "mTLS client certificates")
@@ -432,6 +474,92 @@ def _redis(r: Reader, raw: Any) -> RedisConfig:
     )
 
 
+#: Keys an operator may write for a plaintext token under `admin.auth`; refused with a hint.
+_ADMIN_PLAINTEXT_KEYS = frozenset({"token", "bearer_token", "password", "secret", "credential",
+                                   "api_key"})
+
+
+def _admin_token(r: Reader, raw: Any, path: str) -> AdminTokenConfig | None:
+    if isinstance(raw, str):
+        # Never echo the value: it may be the plaintext token itself.
+        r.error(path, "expected a mapping {id: ..., token_hash: 'sha256:<hex>'}; plaintext "
+                      "tokens are refused (store the token's SHA-256, as for the event bus)")
+        return None
+    if not isinstance(raw, Mapping):
+        r.error(path, f"expected a mapping, got {type_name(raw)}")
+        return None
+    data = r.mapping(raw, path, {"id", "token_hash"})
+    n_errors = len(r.errors)
+    token_id = r.name(data, "id", path)
+    token_hash = r.typed(data, "token_hash", path, str, "")
+    if "token_hash" not in data:
+        r.error(f"{path}.token_hash", "is required")
+    elif not _TOKEN_HASH_RE.match(token_hash):
+        r.error(f"{path}.token_hash", _TOKEN_HASH_HINT)
+    if len(r.errors) != n_errors:
+        return None
+    return AdminTokenConfig(id=token_id, token_hash=token_hash)
+
+
+def _admin_auth(r: Reader, raw: Any) -> AdminAuthConfig | None:
+    p = "admin.auth"
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        r.error(p, f"expected a mapping, got {type_name(raw)}")
+        return None
+    for key in sorted(k for k in raw if k in _ADMIN_PLAINTEXT_KEYS):
+        r.error(f"{p}.{key}", "inline plaintext tokens are refused: list the token's SHA-256 "
+                              "under admin.auth.tokens[].token_hash")
+    data = r.mapping({k: v for k, v in raw.items() if k not in _ADMIN_PLAINTEXT_KEYS}, p,
+                     {"tokens", "protect_metrics"})
+    protect_metrics = r.typed(data, "protect_metrics", p, bool, False)
+    raw_tokens = data.get("tokens")
+    if raw_tokens is None:
+        r.error(f"{p}.tokens", "is required (at least one token), or remove admin.auth")
+        raw_tokens = []
+    elif not isinstance(raw_tokens, list):
+        r.error(f"{p}.tokens", f"expected a list, got {type_name(raw_tokens)}")
+        raw_tokens = []
+    elif not raw_tokens:
+        r.error(f"{p}.tokens", "is empty: nobody could use the admin API (remove admin.auth "
+                               "to turn authentication off)")
+    tokens: list[AdminTokenConfig] = []
+    ids: dict[str, int] = {}
+    hashes: dict[str, int] = {}
+    for i, item in enumerate(raw_tokens):
+        sub = f"{p}.tokens[{i}]"
+        entry = _admin_token(r, item, sub)
+        if entry is None:
+            continue
+        if entry.id in ids:
+            r.error(f"{sub}.id", f"duplicate {entry.id!r} (also tokens[{ids[entry.id]}])")
+            continue
+        if entry.token_hash in hashes:
+            r.error(f"{sub}.token_hash", f"same token as tokens[{hashes[entry.token_hash]}]")
+            continue
+        ids[entry.id] = i
+        hashes[entry.token_hash] = i
+        tokens.append(entry)
+    return AdminAuthConfig(tokens=tuple(tokens), protect_metrics=protect_metrics)
+
+
+def _admin(r: Reader, raw: Any) -> AdminConfig:
+    data = r.mapping(raw, "admin", {"listen", "auth"})
+    auth = _admin_auth(r, data.get("auth"))
+    listen = r.typed(data, "listen", "admin", str, "127.0.0.1:8090")
+    try:
+        host, port = parse_listen(listen)
+    except ValueError as exc:
+        r.error("admin.listen", str(exc))
+        return AdminConfig(auth=auth)
+    if auth is None and not _is_loopback(host):
+        r.warn("admin.listen", "is not a loopback address and admin.auth is not set: anyone who "
+                               "reaches it can use the admin API (POST /admin/kv-index/clear "
+                               "empties the index); set admin.auth.tokens")
+    return AdminConfig(listen_host=host, listen_port=port, auth=auth)
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -458,17 +586,7 @@ def parse_router_config(raw: Any) -> RouterConfig:
     rc = r.mapping(data.get("response_cache"), "response_cache", {"redis"})
     redis = _redis(r, rc["redis"]) if rc.get("redis") is not None else None
 
-    admin_data = r.mapping(data.get("admin"), "admin", {"listen"})
-    admin = AdminConfig()
-    listen = r.typed(admin_data, "listen", "admin", str, "127.0.0.1:8090")
-    try:
-        host, port = parse_listen(listen)
-        admin = AdminConfig(listen_host=host, listen_port=port)
-        if not _is_loopback(host):
-            r.warn("admin.listen", "is not a loopback address: the admin endpoints have no "
-                                   "authentication (POST /admin/kv-index/clear empties the index)")
-    except ValueError as exc:
-        r.error("admin.listen", str(exc))
+    admin = _admin(r, data.get("admin"))
 
     log_data = r.mapping(data.get("log"), "log", {"level", "format"})
     log = LogConfig(
@@ -477,6 +595,13 @@ def parse_router_config(raw: Any) -> RouterConfig:
     )
 
     # Cross-block rules.
+    if admin.auth is not None:
+        bus_hashes = {b.token_hash: i for i, b in enumerate(bus.brokers) if b.token_hash}
+        for i, entry in enumerate(admin.auth.tokens):
+            if entry.token_hash in bus_hashes:
+                r.error(f"admin.auth.tokens[{i}].token_hash",
+                        f"same token as dynamo.event_bus.brokers[{bus_hashes[entry.token_hash]}]: "
+                        "a listener's bus credential must not open the admin API")
     if kv.backend is IndexBackend.REDIS and redis is None:
         r.error("kv_cache_index.backend", "is redis but response_cache.redis is not configured")
     announced = {name for b in bus.brokers if b.role is BrokerRole.KV_LISTENER for name in b.backends}

@@ -12,6 +12,9 @@ values come from. A label value outside its allow-list is folded into `other` (b
 - `continuum_kv_event_dropped_total{backend, reason}`: prefix events the consumer could not apply.
 - `continuum_kv_consumer_connected{backend}`: 1 while the backend's event stream is connected.
 - `continuum_cache_fallback_active`: 1 while the Redis index runs on its in-memory fallback.
+- `continuum_kv_admin_auth_failures_total{reason}`: admin requests refused with 401 (`admin.auth`
+  set); reason `missing` (no authorization header) | `malformed` (not `Bearer <token>`) |
+  `invalid` (a token no `admin.auth.tokens[]` entry has). Zero for ever without `admin.auth`.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ class EventDropReason(enum.StrEnum):
     INDEX_ERROR = "index_error"  # the index could not apply it (Redis down without fallback)
 
 
+class AuthFailure(enum.StrEnum):
+    """Why an admin request was refused (401). Values are the `reason` label."""
+
+    MISSING = "missing"  # no authorization header
+    MALFORMED = "malformed"  # a header, but not `Bearer <token>`
+    INVALID = "invalid"  # a bearer token that matches no admin.auth.tokens[] entry
+
+
 # Composite scores live in [0, 1]; the interesting region is above the 0.3 pool threshold.
 OVERLAP_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
@@ -81,6 +92,13 @@ class RouterMetrics:
             "1 while the Redis KV index serves from its in-memory fallback.",
             registry=registry,
         )
+        self.admin_auth_failures = Counter(
+            "continuum_kv_admin_auth_failures",
+            "Admin API requests refused with 401, by reason.",
+            ["reason"], registry=registry,
+        )
+        for reason in AuthFailure:
+            self.admin_auth_failures.labels(reason=reason.value)
         # Pre-create the series an alert looks at (`continuum_kv_consumer_connected == 0`
         # must fire for a consumer that never connected, not be absent).
         for b in sorted(self.backends):
@@ -122,3 +140,6 @@ class RouterMetrics:
 
     def set_fallback_active(self, active: bool) -> None:
         self.fallback_active.set(1 if active else 0)
+
+    def admin_auth_failed(self, reason: AuthFailure) -> None:
+        self.admin_auth_failures.labels(reason=AuthFailure(reason).value).inc()
