@@ -41,6 +41,7 @@ from kv_listener.core.model import (
 from kv_listener.core.salt import SaltVerifier
 from kv_listener.core.slicing import pieces
 from kv_listener.core.tracker import Tracker, TrackerNotice
+from kv_listener.errors import StartError, bind_error
 from kv_listener.logging import apply_config_logging, get_logger
 from kv_listener.metrics import BusView, ListenerCollector, SourceView, new_registry
 from kv_listener.outputs.bus_client import BusClient
@@ -64,6 +65,8 @@ PUMP_BATCHES_PER_PUBLISH = 64
 PUMP_SLICE_S = 0.005
 #: How often chains whose detokenize failed are asked again.
 RETRY_FAILED_S = 5.0
+#: How long start-up waits for a ZMQ source's first bind/connect attempt before going on.
+ATTACH_WAIT_S = 10.0
 #: How long a stopping daemon waits for streams to take their `draining` record.
 DRAIN_DEADLINE_S = 5.0
 #: Backoff of a crashed source task: doubles from the first value up to the second.
@@ -143,6 +146,7 @@ class SourceRuntime:
             except (ValueError, OSError) as exc:
                 self.log.error("resolver_unavailable", error=type(exc).__name__, detail=str(exc))
         self.tracker = self._new_tracker(can_detokenize=self.resolver is not None)
+        self.source = self._make_source()
         self._tasks = [
             asyncio.create_task(self._run_source(), name=f"source:{self.cfg.backend_name}"),
             asyncio.create_task(self._pump(), name=f"pump:{self.cfg.backend_name}"),
@@ -173,10 +177,12 @@ class SourceRuntime:
         """Run the source; a crash is logged, counted and restarted with backoff, and the
         tracker is cleared first because events may have been lost meanwhile."""
         delay = RESTART_BACKOFF_S[0]
+        source = self.source
         while True:
             started = time.monotonic()
             try:
-                self.source = self._make_source()
+                self.source = source if source is not None else self._make_source()
+                source = None
                 await self.source.run()
                 return
             except asyncio.CancelledError:
@@ -269,12 +275,35 @@ class SourceRuntime:
         for notice in self.tracker.take_notices():  # each condition once per tracker lifetime
             self.log.warning("tracker_notice", notice=notice.value, detail=_NOTICES[notice])
 
-    def ready(self) -> bool:
+    async def attach_error(self, timeout_s: float) -> str | None:
+        """Why the ZMQ socket could not be bound or connected at its first attempt (None: it
+        was, or this is a TRT-LLM source, or the attempt takes longer than `timeout_s`, for
+        instance resolving `allowed_publishers` host names)."""
+        if not isinstance(self.source, ZmqSource):
+            return None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.source.first_attach.wait(), timeout_s)
+        return self.source.attach_error
+
+    def readiness(self) -> str | None:
+        """Why this source is not ready, or None: `engine_down` (declared down by the liveness
+        watch), `polls_failing` (TRT-LLM: no successful poll within three intervals),
+        `not_attached` (the ZMQ socket is not bound or connected), `no_publisher` (bound or
+        connected, but no engine has completed a ZMQ handshake with it)."""
         if self.engine_down:
-            return False
+            return "engine_down"
         if isinstance(self.source, TrtllmSource):
-            return self.source.is_ready()
-        return self.stats.ready
+            return None if self.source.is_ready() else "polls_failing"
+        if not self.stats.ready:
+            return "not_attached"
+        if self.stats.publishers_connected == 0:
+            return "no_publisher"
+        return None
+
+    def ready(self) -> bool:
+        """Ready in the sense of `/readyz` (SPEC §6): the socket is bound or connected, the
+        polls succeed, the engine is not down. `/readyz/{backend}` also asks for a publisher."""
+        return self.readiness() in (None, "no_publisher")
 
     def tracker_gauges(self) -> dict[str, int]:
         st = self.tracker.stats()
@@ -305,6 +334,15 @@ class Listener:
 
     def not_ready(self) -> Sequence[str]:
         return [name for name, rt in self.runtimes.items() if not rt.ready()]
+
+    def source_readiness(self, backend: str) -> Mapping[str, Any] | None:
+        rt = self.runtimes.get(backend)
+        if rt is None:
+            return None
+        reason = rt.readiness()
+        return {"backend": backend, "ready": reason is None, "reason": reason,
+                "engine": rt.cfg.engine.value, "engine_state": rt.stats.engine_state,
+                "publishers_connected": rt.stats.publishers_connected}
 
     def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
         out: dict[str, Mapping[str, Any]] = {}
@@ -472,11 +510,20 @@ class Listener:
             self.server = await serve(app, self.config.listen_host, self.config.listen_port,
                                       max_connections=self.config.max_sse_clients + 128)
         except OSError as exc:
-            raise ConfigError([f"listen: cannot bind {self.config.listen_host}:"
-                               f"{self.config.listen_port}: {exc.strerror or exc}"]) from None
+            raise bind_error(f"listen: cannot bind {self.config.listen_host}:"
+                             f"{self.config.listen_port}: {exc.strerror or exc}", exc) from None
         try:
             for cfg in self.config.sources:
                 await self._start_source(cfg)
+            # A port held by another process is a start-up failure (exit 1, the supervisor
+            # tries again), not something to wait for silently while claiming to run.
+            failures = []
+            for i, cfg in enumerate(self.config.sources):
+                error = await self.runtimes[cfg.backend_name].attach_error(ATTACH_WAIT_S)
+                if error is not None:
+                    failures.append(f"sources[{i}].zmq_endpoint: {error}")
+            if failures:
+                raise StartError(failures)
             self._start_bus()
             # What start-up built (modules, tokenizers, templates: most of the heap) lives as
             # long as the process: out of the cyclic collector's way, so a full collection

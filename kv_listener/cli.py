@@ -4,21 +4,33 @@
     continuum-kv-listener router --config PATH    run the companion router (ROUTER.yaml)
     continuum-kv-listener demo [--duration S] [--engines N] [--headless]
                                                   the whole pipeline locally, simulated engines
+    continuum-kv-listener simulate --config PATH [--duration S]
+                                                  simulated engines feeding a listener file's
+                                                  loopback endpoints
     continuum-kv-listener config validate PATH    check a listener or router file
     continuum-kv-listener --version
 
-Errors are one line on stderr, never a traceback: operators read these in `journalctl`.
+Errors are one line on stderr each, never a traceback: operators read these in `journalctl`.
+A listener or router that cannot start writes them in its file's log format (JSON unless the
+file says `log.format: console`), so a log pipeline that expects JSON gets JSON even then.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kv_listener import __version__
-from kv_listener.config import LISTENER_TOP_KEYS, ConfigError, parse_config, read_yaml
+from kv_listener.config import (
+    LISTENER_TOP_KEYS,
+    ConfigError,
+    YamlContentError,
+    parse_config,
+    read_yaml,
+)
+from kv_listener.errors import StartError
 
 PROG = "continuum-kv-listener"
 EXIT_OK = 0
@@ -49,13 +61,33 @@ def _build_parser() -> argparse.ArgumentParser:
 
     cfg = sub.add_parser("config", help="configuration tools")
     cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", parser_class=_Parser)
-    val = cfg_sub.add_parser("validate", help="check a listener or router configuration file")
-    val.add_argument("path", metavar="PATH")
+    val = cfg_sub.add_parser(
+        "validate", help="check a listener or router configuration file",
+        description="Check a listener file (top-level 'sources') or a router file (top-level "
+        "'kv_cache_index') exactly as a start or a SIGHUP reload would: YAML syntax, duplicate "
+        "keys, unknown keys, types, ranges, addresses, referenced files. Every problem is "
+        "printed as 'PATH: error: KEY: message', then 'PATH: N error(s)'; warnings (valid, but "
+        "probably not what was meant) as 'PATH: warning: ...'. Nothing is started or bound.",
+        epilog="Exit status: 0 valid (warnings allowed), 2 invalid or unreadable.")
+    val.add_argument("path", metavar="PATH", help="the YAML file to check")
 
     rtr = sub.add_parser("router", help="run the companion router (KV index, scorer, consumers, "
                                         "event bus, admin JSON)")
     rtr.add_argument("--config", "-c", metavar="PATH", dest="router_config", required=True,
                      help="router configuration file (YAML, top-level kv_cache_index)")
+
+    sim = sub.add_parser(
+        "simulate", help="simulated engines feeding a listener file's loopback endpoints",
+        description="For every vLLM or SGLang source of a listener file, a simulated engine "
+        "publishes real-format KV events to its zmq_endpoint (in the opposite mode of the "
+        "source) and serves its loopback detokenize_endpoint and /tokenizer_info; TRT-LLM "
+        "sources get a simulated /kv_cache_events at a loopback trtllm_endpoint. A chat "
+        "workload runs until --duration or Ctrl-C.",
+        epilog="Exit status: 0 clean stop, 2 invalid file, 1 runtime failure (a busy port).")
+    sim.add_argument("--config", "-c", metavar="PATH", dest="simulate_config", required=True,
+                     help="the LISTENER configuration file whose endpoints to feed")
+    sim.add_argument("--duration", metavar="S", type=_duration_s, default=None,
+                     help="stop after S seconds (default: run until Ctrl-C)")
 
     demo = sub.add_parser("demo", help="run simulated engines, the listener and the router on "
                                        "127.0.0.1 with a live view")
@@ -113,6 +145,8 @@ def _config_kind(raw: Any) -> str | None:
 def cmd_validate(path: str) -> int:
     try:
         raw = read_yaml(path)
+    except YamlContentError as exc:
+        return _print_file_errors(path, exc.problems)
     except ConfigError as exc:
         return _fail(exc.errors[0])
     kind = _config_kind(raw)
@@ -135,18 +169,80 @@ def cmd_validate(path: str) -> int:
                 "file (top-level 'kv_cache_index')"
             )
     except ConfigError as exc:
-        for err in exc.errors:
-            sys.stderr.write(f"{path}: error: {err}\n")
-        sys.stderr.write(f"{path}: {len(exc.errors)} error(s)\n")
-        return EXIT_USAGE
+        return _print_file_errors(path, exc.errors)
     for w in warnings:
         sys.stdout.write(f"{path}: warning: {w}\n")
     sys.stdout.write(f"{path}: {summary}\n")
     return EXIT_OK
 
 
+def _print_file_errors(path: str, errors: Sequence[str]) -> int:
+    for err in errors:
+        sys.stderr.write(f"{path}: error: {err}\n")
+    sys.stderr.write(f"{path}: {len(errors)} error(s)\n")
+    return EXIT_USAGE
+
+
+def _file_log_format(path: str) -> str | None:
+    """The log format a file asks for (`json` by default), or None when it cannot be told."""
+    try:
+        raw = read_yaml(path)
+    except ConfigError:
+        return None
+    if not isinstance(raw, dict):
+        return None
+    log = raw.get("log")
+    fmt = log.get("format", "json") if isinstance(log, dict) else "json"
+    return fmt if fmt in ("json", "console") else None
+
+
+def _fatal(event: str, errors: Sequence[str], code: int, path: str | None) -> int:
+    """Errors that stop a listener or router: JSON log lines when the process logs JSON (or
+    its file asks for it and logging was not set up yet), else one plain line each."""
+    from kv_listener.logging import configure_logging, configured_format, log_fatal  # noqa: PLC0415
+
+    fmt = configured_format()
+    if fmt is None and path is not None and _file_log_format(path) == "json":
+        configure_logging("info", "json")
+        fmt = "json"
+    if fmt == "json":
+        log_fatal(event, errors, exit_code=code)
+    else:
+        for err in errors:
+            sys.stderr.write(f"{PROG}: error: {err}\n")
+    return code
+
+
+def _run_process(run: Callable[[str], int], path: str) -> int:
+    """A long-running mode (listener, router): its start-up errors in its own log format."""
+    try:
+        return run(path)
+    except ConfigError as exc:
+        return _fatal("config_invalid", exc.errors, EXIT_USAGE, path)
+    except StartError as exc:
+        return _fatal("start_failed", exc.errors, EXIT_FAILURE, path)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    except Exception as exc:  # a bug: said once, in the log format, with its traceback
+        from kv_listener.logging import configured_format  # noqa: PLC0415
+
+        if configured_format() is None:
+            raise
+        import structlog  # noqa: PLC0415
+
+        structlog.get_logger("kv_listener").critical("fatal_error", error=type(exc).__name__,
+                                                     exc_info=exc)
+        return EXIT_FAILURE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
+    if args.command is not None and args.config is not None:
+        where = {"router": "router --config PATH", "simulate": "simulate --config PATH",
+                 "config": "config validate PATH"}.get(args.command)
+        hint = f"; did you mean '{PROG} {where}'?" if where else ""
+        return _fail(f"--config before a command runs the listener and cannot be combined with "
+                     f"'{args.command}'{hint}")
     try:
         if args.command == "config":
             if args.config_command != "validate":
@@ -155,7 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "router":
             from kv_listener.router.app import run_router  # noqa: PLC0415
 
-            return run_router(args.router_config)
+            return _run_process(run_router, args.router_config)
+        if args.command == "simulate":
+            from kv_listener.simulate import run_simulate  # noqa: PLC0415
+
+            return run_simulate(args.simulate_config, args.duration)
         if args.command == "demo":
             from kv_listener.demo import run_demo  # noqa: PLC0415
 
@@ -164,11 +264,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail("nothing to do: give --config PATH to run, or a command (see --help)")
         from kv_listener.app import run_listener  # noqa: PLC0415
 
-        return run_listener(args.config)
+        return _run_process(run_listener, args.config)
     except ConfigError as exc:
         for err in exc.errors:
             sys.stderr.write(f"{PROG}: error: {err}\n")
         return EXIT_USAGE
+    except StartError as exc:
+        for err in exc.errors:
+            sys.stderr.write(f"{PROG}: error: {err}\n")
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         return EXIT_OK
 

@@ -9,11 +9,12 @@ what the operator meant.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import ipaddress
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +44,43 @@ class ConfigError(Exception):
     def __init__(self, errors: list[str]) -> None:
         super().__init__("\n".join(errors))
         self.errors = errors
+
+
+class YamlContentError(ConfigError):
+    """The file was read but is not acceptable YAML (a syntax error, duplicate keys).
+    `problems` are the messages without the file name, for `config validate`'s own format."""
+
+    def __init__(self, path: str | Path, problems: list[str]) -> None:
+        super().__init__([f"{path}: {p}" for p in problems])
+        self.problems = problems
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, except that a key given twice in one mapping is recorded instead of
+    silently keeping the last value (a second `listen:` would expose the listener unnoticed).
+    Keys brought in by a merge (`<<: *anchor`) may still be overridden: that is what merges are
+    for."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.duplicates: list[tuple[int, int, str]] = []
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            mark = key_node.start_mark
+            try:
+                seen = first.setdefault(key, mark)
+            except TypeError:  # an unhashable key: SafeConstructor reports it below
+                continue
+            if seen is not mark:
+                self.duplicates.append((mark.line, mark.column,
+                                        f"line {mark.line + 1}, column {mark.column + 1}: duplicate"
+                                        f" key {key!r} (first at line {seen.line + 1}); remove one"))
+        return super().construct_mapping(node, deep=deep)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +238,8 @@ class Reader:
                         "secret_file / secret_env)",
                     )
                 else:
-                    self.error(sub, f"unknown key (allowed: {', '.join(sorted(allowed))})")
+                    hint = did_you_mean(key, allowed) or f" (allowed: {', '.join(sorted(allowed))})"
+                    self.error(sub, f"unknown key{hint}")
             else:
                 out[key] = item
         return out
@@ -268,9 +307,9 @@ class Reader:
     ) -> str:
         value = self.typed(data, key, path, str, default)
         if value not in choices:
-            self.error(
-                f"{path}.{key}" if path else key, f"must be one of {', '.join(choices)}, got {value!r}"
-            )
+            self.error(f"{path}.{key}" if path else key,
+                       f"must be one of {', '.join(choices)}, got {value!r}"
+                       f"{did_you_mean(value, choices)}")
             return default
         return value
 
@@ -295,7 +334,8 @@ class Reader:
         try:
             return kind(raw)
         except ValueError:
-            self.error(f"{path}.{key}", f"must be one of {values}, got {raw!r}")
+            self.error(f"{path}.{key}",
+                       f"must be one of {values}, got {raw!r}{did_you_mean(raw, names)}")
             return None
 
     def existing_file(self, path: str, value: str | None, *, directory: bool = False) -> None:
@@ -305,6 +345,17 @@ class Reader:
         ok = p.is_dir() if directory else p.is_file()
         if not ok:
             self.error(path, f"{'directory' if directory else 'file'} {value!r} does not exist")
+
+
+def did_you_mean(word: str, known: Iterable[str]) -> str:
+    """` (did you mean 'x'?)` for the closest known word, when one is close enough (a typo,
+    a case slip, a dash for an underscore); else ""."""
+    by_folded = {k.lower().replace("-", "_"): k for k in known}
+    folded = word.lower().replace("-", "_")
+    if folded in by_folded and by_folded[folded] != word:
+        return f" (did you mean {by_folded[folded]!r}?)"
+    close = difflib.get_close_matches(folded, list(by_folded), n=1, cutoff=0.75)
+    return f" (did you mean {by_folded[close[0]]!r}?)" if close else ""
 
 
 def type_name(value: Any) -> str:
@@ -706,15 +757,17 @@ def parse_config(raw: Any) -> ListenerConfig:
     endpoints: dict[str, int] = {}
     for i, item in enumerate(raw_sources):
         src = _source(r, item, f"sources[{i}]", limits, cache_salt.enabled)
+        # A duplicate name is reported whatever else is wrong with either entry: fixing the
+        # other error first must not be what reveals it.
+        name = item.get("backend_name") if isinstance(item, Mapping) else None
+        if isinstance(name, str):
+            if name in seen:
+                r.error(f"sources[{i}].backend_name",
+                        f"duplicate {name!r} (also sources[{seen[name]}])")
+                continue
+            seen[name] = i
         if src is None:
             continue
-        if src.backend_name in seen:
-            r.error(
-                f"sources[{i}].backend_name",
-                f"duplicate {src.backend_name!r} (also sources[{seen[src.backend_name]}])",
-            )
-            continue
-        seen[src.backend_name] = i
         if src.zmq_endpoint is not None and src.zmq_mode == "bind":
             if src.zmq_endpoint in endpoints:
                 r.error(
@@ -753,7 +806,9 @@ def parse_config(raw: Any) -> ListenerConfig:
 
 
 def read_yaml(path: str | Path) -> Any:
-    """Read a YAML file; raises ConfigError with a one-line reason (no traceback material)."""
+    """Read a YAML file. A file that cannot be read raises `ConfigError` (one line); a syntax
+    error or duplicate keys raise `YamlContentError` (every duplicate at once). No traceback
+    material either way."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -763,15 +818,21 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError([f"{path}: is a directory"]) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path}: cannot read: {exc}"]) from None
+    loader = _StrictLoader(text)
     try:
-        return yaml.safe_load(text)
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError([f"{path}: invalid YAML{where}: {problem}"]) from None
+        raise YamlContentError(path, [f"{where}invalid YAML: {problem}"]) from None
     except RecursionError:
-        raise ConfigError([f"{path}: invalid YAML: nested too deeply"]) from None
+        raise YamlContentError(path, ["invalid YAML: nested too deeply"]) from None
+    finally:
+        loader.dispose()
+    if loader.duplicates:
+        raise YamlContentError(path, [text for *_, text in sorted(loader.duplicates)])
+    return data
 
 
 def load_config(path: str | Path) -> ListenerConfig:

@@ -26,6 +26,9 @@ class SourceStats:
     #: ZMQ connections lost (libzmq's EVENT_DISCONNECTED: an engine gone, or a frame over
     #: ZMQ_MAXMSGSIZE refused); a connecting source connects again itself.
     zmq_disconnects: int = 0
+    #: ZMQ peers whose handshake succeeded and that are still connected (for a bound SUB the
+    #: engine's publishers, one per DP rank; for a connecting SUB, 1 once the engine took it).
+    publishers_connected: int = 0
     poll_errors: Counter[str] = field(default_factory=Counter)  # trtllm: reason -> n
     last_event_at: float | None = None  # wall clock of the last decoded batch
     ready: bool = False  # socket bound/connected, or last poll ok

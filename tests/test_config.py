@@ -14,6 +14,7 @@ from kv_listener.config import (
     Engine,
     Limits,
     ListenerConfig,
+    YamlContentError,
     load_config,
     parse_config,
     parse_duration,
@@ -167,6 +168,97 @@ def test_duplicate_backend_name_names_both() -> None:
     other = dict(VLLM, zmq_endpoint="tcp://127.0.0.1:5558")
     err = one_error({"sources": [VLLM, other]})
     assert err == "sources[1].backend_name: duplicate 'vllm-1' (also sources[0])"
+
+
+def test_duplicate_backend_name_is_reported_when_the_first_entry_has_another_error() -> None:
+    broken = dict(VLLM, zmq_endpoint="nope")
+    other = dict(VLLM, zmq_endpoint="tcp://127.0.0.1:5558")
+    errs = errors_of({"sources": [broken, other]})
+    assert "sources[1].backend_name: duplicate 'vllm-1' (also sources[0])" in errs, errs
+    assert any(e.startswith("sources[0].zmq_endpoint: ") for e in errs), errs
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ({"lisen": "127.0.0.1:1"}, "lisen: unknown key (did you mean 'listen'?)"),
+        ({"max-lag": 5}, "max-lag: unknown key (did you mean 'max_lag'?)"),
+        ({"History_Size": 5}, "History_Size: unknown key (did you mean 'history_size'?)"),
+        ({"log": {"formt": "json"}}, "log.formt: unknown key (did you mean 'format'?)"),
+        ({"log": {"format": "jsno"}},
+         "log.format: must be one of json, console, got 'jsno' (did you mean 'json'?)"),
+        (with_source(zmq_endpont="tcp://127.0.0.1:1"),
+         "sources[0].zmq_endpont: unknown key (did you mean 'zmq_endpoint'?)"),
+        (with_source(engine="vlm"),
+         "sources[0].engine: must be one of vllm, sglang, trtllm, got 'vlm' (did you mean 'vllm'?)"),
+        (with_source(engine="SGLang"),
+         "sources[0].engine: must be one of vllm, sglang, trtllm, got 'SGLang' "
+         "(did you mean 'sglang'?)"),
+    ],
+)
+def test_typos_get_a_did_you_mean(raw: dict[str, Any], expected: str) -> None:
+    raw.setdefault("sources", [VLLM])
+    assert one_error(raw) == expected
+
+
+def test_an_unknown_key_far_from_any_lists_the_allowed_ones() -> None:
+    err = one_error({"colour": "blue", "sources": [VLLM]})
+    assert err.startswith("colour: unknown key (allowed: cache_salt, event_bus, history_size,")
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "listener.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_duplicate_yaml_keys_are_errors_each_with_its_line(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys: a second `listen:` further down would have
+    exposed the listener on all interfaces without a word."""
+    path = write(tmp_path, """listen: "127.0.0.1:7817"
+sources:
+  - backend_name: a
+    engine: vllm
+    model: m
+    model: n
+    zmq_endpoint: "tcp://127.0.0.1:5557"
+listen: "0.0.0.0:7817"
+""")
+    with pytest.raises(YamlContentError) as info:
+        load_config(path)
+    assert info.value.problems == [
+        "line 6, column 5: duplicate key 'model' (first at line 5); remove one",
+        "line 8, column 1: duplicate key 'listen' (first at line 1); remove one",
+    ]
+    assert info.value.errors[0].startswith(f"{path}: line 6, column 5: ")
+
+
+def test_a_duplicate_in_a_flow_mapping_on_one_line_is_found(tmp_path: Path) -> None:
+    path = write(tmp_path, "log: {level: info, level: debug}\nsources: []\n")
+    with pytest.raises(YamlContentError) as info:
+        load_config(path)
+    assert info.value.problems == [
+        "line 1, column 20: duplicate key 'level' (first at line 1); remove one"]
+
+
+def test_merge_keys_may_still_be_overridden(tmp_path: Path) -> None:
+    text = """sources:
+  - <<: {engine: vllm, model: m, zmq_mode: connect}
+    backend_name: a
+    zmq_mode: bind
+    zmq_endpoint: "tcp://127.0.0.1:5557"
+"""
+    path = write(tmp_path, text)
+    cfg = load_config(path)
+    assert cfg.sources[0].zmq_mode == "bind"
+
+
+def test_a_yaml_syntax_error_names_line_and_column(tmp_path: Path) -> None:
+    path = write(tmp_path, "sources: [\n")
+    with pytest.raises(YamlContentError) as info:
+        load_config(path)
+    assert len(info.value.problems) == 1
+    assert info.value.problems[0].startswith("line 2, column 1: invalid YAML: ")
 
 
 def test_two_sources_cannot_bind_the_same_endpoint() -> None:
@@ -346,7 +438,7 @@ def test_load_config_file_errors(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("sources: [\n  - a: b\n  c")
-    with pytest.raises(ConfigError, match=r"invalid YAML \(line"):
+    with pytest.raises(ConfigError, match=r"line 2, column 3: invalid YAML"):
         load_config(bad)
     bad.write_text("[" * 100_000)  # PyYAML raises RecursionError, not YAMLError
     with pytest.raises(ConfigError, match="nested too deeply"):

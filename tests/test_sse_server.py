@@ -258,6 +258,10 @@ class Status:
     def not_ready(self) -> Sequence[str]:
         return [b for b, s in self.stats.items() if not s.ready]
 
+    def source_readiness(self, backend: str) -> Mapping[str, Any] | None:
+        stats = self.stats.get(backend)
+        return None if stats is None else {"backend": backend, "ready": stats.ready}
+
     def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
         return {b: source_stats_entry(s, blocks_tracked=3, tokens_retained=48, prefixes_live=1)
                 for b, s in self.stats.items()}

@@ -1,6 +1,6 @@
-"""The listener's HTTP face (SPEC §6): `GET /events/{backend}`, `/healthz`, `/readyz`, `/metrics`,
-`/stats`, as a Starlette app; `kv_listener.httpserver.serve()` runs it under uvicorn in the
-caller's loop (re-exported here).
+"""The listener's HTTP face (SPEC §6): `GET /events/{backend}`, `/healthz`, `/readyz` (and one
+source's `/readyz/{backend}`), `/metrics`, `/stats`, as a Starlette app;
+`kv_listener.httpserver.serve()` runs it under uvicorn in the caller's loop (re-exported here).
 
 Owns: the HTTP mapping of the streams (`Last-Event-ID` header or `last_event_id` query parameter;
 404 for an unknown backend, 503 above `max_sse_clients` or while draining), the JSON shape of
@@ -49,6 +49,10 @@ class ListenerStatus(Protocol):
         """Backend names of the sources that are not ready (SPEC §6 `/readyz`); empty: ready."""
         ...
 
+    def source_readiness(self, backend: str) -> Mapping[str, Any] | None:
+        """`/readyz/{backend}`: {"backend", "ready", "reason", ...}; None for an unknown one."""
+        ...
+
     def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
         """backend -> its `/stats` entry (see `source_stats_entry`)."""
         ...
@@ -67,6 +71,9 @@ class NoSources:
 
     def not_ready(self) -> Sequence[str]:
         return []
+
+    def source_readiness(self, backend: str) -> Mapping[str, Any] | None:
+        return None
 
     def source_stats(self) -> Mapping[str, Mapping[str, Any]]:
         return {}
@@ -100,6 +107,7 @@ def source_stats_entry(
         "salt_rejected": stats.salt_rejected,
         "refused_publishers": stats.refused_publishers,
         "zmq_disconnects": stats.zmq_disconnects,
+        "publishers_connected": stats.publishers_connected,
         "last_event_at": stats.last_event_at,
         "ready": stats.ready,
         "startup_replay": None if stats.startup_replay is None else {
@@ -166,6 +174,15 @@ def create_app(hub: StreamHub, status: ListenerStatus) -> Starlette:
         not_ready = sorted(status.not_ready())
         return JSONResponse(not_ready, status_code=503 if not_ready else 200)
 
+    async def readyz_source(request: Request) -> Response:
+        # One source, stricter than /readyz: its engine must be connected too. For a probe or
+        # an alert about one backend, where one dead source must not fail the others.
+        backend = request.path_params["backend"]
+        body = status.source_readiness(backend)
+        if body is None:
+            return _unknown_backend(backend)
+        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+
     async def metrics(_: Request) -> Response:
         return Response(generate_latest(status.metrics_registry()),
                         media_type=CONTENT_TYPE_LATEST)
@@ -193,6 +210,7 @@ def create_app(hub: StreamHub, status: ListenerStatus) -> Starlette:
         Route("/events/{backend}", events, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
+        Route("/readyz/{backend}", readyz_source, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
     ])

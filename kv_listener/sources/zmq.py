@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import operator
 import time
 from collections import deque
 from typing import Any
@@ -73,6 +75,10 @@ _THREAD_DECODE_BYTES = 64 << 10
 SOCKET_CAP_FACTOR = 2
 #: Pause before a connecting SUB connects again after libzmq dropped its connection.
 _RECONNECT_DELAY_S = 0.1
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                     zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+              | zmq.EVENT_DISCONNECTED | functools.reduce(operator.or_, _HANDSHAKE_FAILED))
 #: `_replay`'s upper bound when the whole buffer is wanted (start-up).
 _ALL_SEQS = 1 << 63
 
@@ -162,6 +168,10 @@ class ZmqSource:
         self._log = log.bind(backend=config.backend_name)
         #: Set once the SUB socket is bound/connected (also `stats.ready`).
         self.ready = asyncio.Event()
+        #: Set once the first bind/connect attempt is over, failed or not; `attach_error` then
+        #: says why it failed (the daemon's start-up fails on a busy port rather than waiting).
+        self.first_attach = asyncio.Event()
+        self.attach_error: str | None = None
         #: Set each time a peer is refused by `allowed_publishers`.
         self.peer_refused = asyncio.Event()
         #: The endpoint actually bound (port 0 resolved) or connected to.
@@ -195,8 +205,10 @@ class ZmqSource:
                 sub.zap_domain = ZAP_DOMAIN
             sub.maxmsgsize = self._socket_cap
             sub.setsockopt(zmq.SUBSCRIBE, self.config.zmq_topic.encode("utf-8"))
+            # Monitored before it attaches, so that no handshake is missed.
+            mon = sub.get_monitor_socket(_MONITORED)
+            monitor = asyncio.create_task(self._watch_connection(sub, mon))
             await self._attach(sub)
-            monitor = asyncio.create_task(self._watch_connection(sub))
             if self.config.replay_endpoint is not None:
                 self._dealer = self._new_dealer()
             self.stats.ready = True
@@ -236,11 +248,18 @@ class ZmqSource:
                 else:
                     sub.connect(endpoint)
                     self.endpoint = endpoint
+                self.attach_error = None
+                self.first_attach.set()
                 return
             except zmq.ZMQError as exc:
-                # e.g. the port is still held by a previous process: keep trying, not ready.
+                # e.g. the port is still held by a previous process. At start-up the daemon
+                # gives up (exit 1: its supervisor retries); a source added or restarted later
+                # keeps trying, not ready, said in the log each time.
+                self.attach_error = (f"cannot {self.config.zmq_mode} {endpoint}: "
+                                     f"{zmq.strerror(exc.errno or 0)}")
+                self.first_attach.set()
                 self._log.error("zmq_attach_failed", endpoint=endpoint, mode=self.config.zmq_mode,
-                                error=exc.strerror, retry_in_s=delay)
+                                error=exc.strerror, errno=exc.errno, retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _BIND_RETRY_MAX_S)
 
@@ -248,25 +267,53 @@ class ZmqSource:
     def _socket_cap(self) -> int:
         return self.config.limits.max_message_bytes * SOCKET_CAP_FACTOR
 
-    async def _watch_connection(self, sub: zmq.asyncio.Socket) -> None:
-        """Counts lost connections and, for a connecting SUB, connects again.
+    async def _watch_connection(self, sub: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
+        """Counts the engine's connections (`publishers_connected`: handshakes done and not
+        lost yet: what per-source readiness asks for) and lost ones, and, for a connecting SUB,
+        connects again.
 
         libzmq reconnects by itself after a network error, but not after a protocol error, and a
         frame over ZMQ_MAXMSGSIZE is one (libzmq 4.3 `session_base_t::engine_error` terminates
         the session): without this one hostile frame would silence the source for good. The
         batches lost meanwhile show as a sequence gap, filled from the replay buffer or cleared.
         A bound SUB needs nothing: the engine's PUB connects again itself."""
-        mon = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # libzmq names a connection by its file descriptor on ACCEPTED / CONNECTED and
+        # DISCONNECTED, but HANDSHAKE_* events carry no descriptor: a handshake's outcome is
+        # taken as that of the oldest connection still shaking hands. Handshakes finishing out
+        # of order can only mislabel which of two connections got through, for as long as both
+        # are up; the counts of handshakes and disconnects stay right.
+        shaking: list[int] = []
+        peers: set[int] = set()
         try:
             while True:
                 frames = await mon.recv_multipart()
                 event = parse_monitor_message(frames)
-                if event["event"] != zmq.EVENT_DISCONNECTED:
+                kind, fd = event["event"], int(event["value"])
+                if kind in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
+                    shaking.append(fd)
                     continue
-                self.stats.zmq_disconnects += 1
-                self._log.warning("zmq_disconnected", endpoint=self.endpoint,
-                                  mode=self.config.zmq_mode,
-                                  max_frame_bytes=self._socket_cap)
+                if kind in _HANDSHAKE_FAILED:
+                    if shaking:
+                        shaking.pop(0)
+                    continue
+                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    if shaking:
+                        peers.add(shaking.pop(0))
+                    self.stats.publishers_connected = len(peers)
+                    self._log.info("zmq_publisher_connected", endpoint=self.endpoint,
+                                   mode=self.config.zmq_mode, publishers=len(peers))
+                    continue
+                if kind != zmq.EVENT_DISCONNECTED:
+                    continue
+                if fd in shaking:
+                    shaking.remove(fd)  # refused by allowed_publishers, or never finished
+                else:
+                    peers.discard(fd)
+                    self.stats.publishers_connected = len(peers)
+                    self.stats.zmq_disconnects += 1
+                    self._log.warning("zmq_disconnected", endpoint=self.endpoint,
+                                      mode=self.config.zmq_mode, publishers=len(peers),
+                                      max_frame_bytes=self._socket_cap)
                 if self.config.zmq_mode == "connect" and self.endpoint is not None:
                     await asyncio.sleep(_RECONNECT_DELAY_S)
                     # ENOENT when the session is already gone (the protocol-error case)
@@ -274,6 +321,7 @@ class ZmqSource:
                         sub.disconnect(self.endpoint)
                     sub.connect(self.endpoint)
         finally:
+            self.stats.publishers_connected = 0
             sub.disable_monitor()
             mon.close(linger=0)
 
