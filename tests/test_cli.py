@@ -92,10 +92,44 @@ def test_validate_prints_every_error_and_exits_2(tmp_path: Path) -> None:
     assert f"{bad}: 3 error(s)" in proc.stderr
 
 
-def test_validate_rejects_invalid_yaml(tmp_path: Path) -> None:
+def test_validate_reports_invalid_yaml_like_any_other_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("sources: [\n")
-    assert "invalid YAML" in assert_one_line_error(run("config", "validate", str(bad)))
+    proc = run("config", "validate", str(bad))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2, proc.stderr
+    assert lines[0].startswith(f"{bad}: error: line 2, column 1: invalid YAML: ")
+    assert lines[1] == f"{bad}: 1 error(s)"
+
+
+def test_validate_reports_every_duplicate_key(tmp_path: Path) -> None:
+    bad = tmp_path / "dup.yaml"
+    bad.write_text('listen: "127.0.0.1:7817"\nsources: []\nlisten: "0.0.0.0:7817"\n'
+                   "max_lag: 5\nmax_lag: 6\n")
+    proc = run("config", "validate", str(bad))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"{bad}: error: line 3, column 1: duplicate key 'listen' (first at line 1); remove one",
+        f"{bad}: error: line 5, column 1: duplicate key 'max_lag' (first at line 4); remove one",
+        f"{bad}: 2 error(s)",
+    ]
+
+
+@pytest.mark.parametrize("command", [["demo"], ["router", "--config", "r.yaml"],
+                                     ["config", "validate", "x.yaml"]])
+def test_a_global_config_before_a_command_is_refused(command: list[str]) -> None:
+    line = assert_one_line_error(run("--config", "listener.yaml", *command))
+    assert f"cannot be combined with '{command[0]}'" in line
+
+
+def test_validate_has_help_text() -> None:
+    proc = run("config", "validate", "--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "top-level 'sources'" in text and "top-level 'kv_cache_index'" in text
+    assert "Exit status: 0 valid (warnings allowed), 2 invalid or unreadable." in text
+    assert "the YAML file to check" in text
 
 
 def test_validate_rejects_a_file_of_neither_kind(tmp_path: Path) -> None:
