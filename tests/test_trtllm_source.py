@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 from array import array
 from collections.abc import AsyncIterator
@@ -304,3 +305,27 @@ async def test_resolver_only_returns_allowed_addresses() -> None:
     finally:
         await refusing.close()
         await admitting.close()
+
+
+async def test_a_refused_connection_is_logged_with_url_and_errno() -> None:
+    """`trtllm_poll_failed` said only `ClientConnectorError`: not where, not why."""
+    from tests.conftest import free_port  # noqa: PLC0415
+
+    port = free_port()  # nothing listens there
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    source = TrtllmSource(config(f"http://user:pw@127.0.0.1:{port}/kv_cache_events"), queue,
+                          SourceStats(engine="trtllm"))
+    with capture_logs() as logs:
+        task = asyncio.create_task(source.run())
+        try:
+            await source.wait_polls(1)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    failed = [e for e in logs if e["event"] == "trtllm_poll_failed"]
+    assert failed, logs
+    assert failed[0]["url"] == f"http://127.0.0.1:{port}/kv_cache_events"  # no credentials
+    assert failed[0]["errno"] == errno.ECONNREFUSED
+    assert failed[0]["detail"] == "ClientConnectorError: Connection refused"
+    assert "pw" not in json.dumps(failed)

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import socket
 import time
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 import structlog
@@ -69,9 +70,22 @@ def backoff_delay(interval_s: float, failures: int, max_s: float) -> float:
 
 
 class _PollError(Exception):
-    def __init__(self, reason: PollErrorReason, detail: str) -> None:
+    def __init__(self, reason: PollErrorReason, detail: str, errno: int | None = None) -> None:
         super().__init__(detail)
         self.reason = reason
+        self.errno = errno
+
+
+def _connection_error(exc: aiohttp.ClientError) -> _PollError:
+    """What an operator needs of a failed connection: the error and the OS's reason (errno)."""
+    os_error = getattr(exc, "os_error", None)
+    if isinstance(os_error, OSError) and os_error.errno is not None:
+        # asyncio's own strerror is "Connect call failed (host, port)"; the errno's is the why
+        detail = f"{type(exc).__name__}: {os.strerror(os_error.errno)}"
+        return _PollError(PollErrorReason.CONNECTION, detail, os_error.errno)
+    text = str(exc)
+    return _PollError(PollErrorReason.CONNECTION,
+                      f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
 
 
 class TrtllmSource:
@@ -108,6 +122,8 @@ class TrtllmSource:
         self.config = config
         self.stats = stats
         self._url = config.trtllm_endpoint
+        # user:password@ never goes to a log line
+        self._logged_url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
         self._feeder = QueueFeeder(queue, stats, config.backend_name)
         self._stream = TrtllmEventStream()
         self._allow = PublisherAllowList(config.allowed_publishers)
@@ -177,7 +193,7 @@ class TrtllmSource:
             body = await self._fetch(session)
             decoded = decode_trtllm_events(body)
         except _PollError as exc:
-            self._failed(exc.reason, str(exc))
+            self._failed(exc.reason, str(exc), exc.errno)
         except DecodeError as exc:
             self._failed(PollErrorReason.INVALID_BODY, exc.reason.value)
         else:
@@ -226,16 +242,17 @@ class TrtllmSource:
         except aiohttp.ClientConnectorError as exc:
             if isinstance(exc.os_error, PeerNotAllowed):
                 raise _PollError(PollErrorReason.PEER_NOT_ALLOWED, str(exc.os_error)) from None
-            raise _PollError(PollErrorReason.CONNECTION, type(exc).__name__) from None
+            raise _connection_error(exc) from None
         except aiohttp.ClientError as exc:
-            raise _PollError(PollErrorReason.CONNECTION, type(exc).__name__) from None
+            raise _connection_error(exc) from None
 
-    def _failed(self, reason: PollErrorReason, detail: str) -> None:
+    def _failed(self, reason: PollErrorReason, detail: str, errno: int | None = None) -> None:
         self.stats.poll_errors[reason.value] += 1
         self.stats.ready = False
         self._failures += 1
-        self._log.warning("trtllm_poll_failed", reason=reason.value, detail=detail,
-                          failures=self._failures, retry_in_s=round(self.next_delay_s, 3))
+        self._log.warning("trtllm_poll_failed", url=self._logged_url, reason=reason.value,
+                          detail=detail, errno=errno, failures=self._failures,
+                          retry_in_s=round(self.next_delay_s, 3))
 
     def _succeeded(self) -> None:
         if self._failures:
