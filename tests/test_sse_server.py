@@ -251,6 +251,7 @@ class Status:
         self.stats = {B1: SourceStats(engine="vllm"), B2: SourceStats(engine="sglang")}
         self.stats[B1].ready = True
         self.stats[B1].events_received = 7
+        self.stats[B1].last_event_at = 1773397457.5
         self.stats[B1].events_dropped["unknown_tag"] = 2
         self._registry = new_registry(ListenerCollector(
             lambda: [SourceView(b, s) for b, s in self.stats.items()], hub.stream_views))
@@ -501,6 +502,9 @@ async def test_http_health_readiness_stats_metrics(http: Http) -> None:
         assert key in entry, key
     assert entry["engine"] == "vllm"
     assert entry["events_received"] == 7
+    # the router's format (ISO 8601 UTC), with the epoch seconds beside it
+    assert (entry["last_event_at"], entry["last_event_ts"]) == ("2026-03-13T10:24:17Z", 1773397457.5)
+    assert body["sources"][B2]["last_event_at"] is None
     assert entry["events_dropped"] == {"unknown_tag": 2}
     assert entry["prefixes_live"] == 1  # the source's own figure wins over the log's
     assert entry["sse_clients"] == 1

@@ -16,6 +16,7 @@ keep-alive comments included, so a plain streaming response is byte-exact.
 from __future__ import annotations
 
 import asyncio
+import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -82,6 +83,12 @@ class NoSources:
         return self._registry
 
 
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def source_stats_entry(
     stats: SourceStats, *, blocks_tracked: int, tokens_retained: int, prefixes_live: int,
 ) -> dict[str, Any]:
@@ -108,7 +115,9 @@ def source_stats_entry(
         "refused_publishers": stats.refused_publishers,
         "zmq_disconnects": stats.zmq_disconnects,
         "publishers_connected": stats.publishers_connected,
-        "last_event_at": stats.last_event_at,
+        # ISO 8601 UTC like the router's admin JSON (the seed's format); the epoch float too
+        "last_event_at": _iso(stats.last_event_at),
+        "last_event_ts": stats.last_event_at,
         "ready": stats.ready,
         "startup_replay": None if stats.startup_replay is None else {
             "status": stats.startup_replay, "batches": stats.startup_replay_batches,
