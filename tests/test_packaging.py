@@ -125,3 +125,14 @@ def test_push_mode_metrics_only_when_configured() -> None:
     assert "continuum_kv_listener_bus_connects_total 3.0" in text
     assert 'continuum_kv_listener_bus_failures_total{reason="tls"} 1.0' in text
     assert "continuum_kv_listener_bus_bytes_pushed_total 99.0" in text
+
+
+def test_the_license_is_apache_2_and_ships_with_the_package() -> None:
+    from importlib import metadata  # noqa: PLC0415
+
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION" in text
+    meta = metadata.metadata("continuum-kv-listener")
+    assert meta.get("License-Expression") == "Apache-2.0"
+    assert "LICENSE" in (meta.get_all("License-File") or [])
