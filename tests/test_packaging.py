@@ -82,7 +82,9 @@ def test_metrics_have_prefix_and_fixed_labels() -> None:
     assert 'continuum_kv_listener_sse_clients{backend="vllm-1"} 2.0' in text
     assert 'continuum_kv_listener_records_total{backend="vllm-1",event="cache_created"} 3.0' in text
     names = {m.group(1) for m in re.finditer(r"^# TYPE (\S+)", text, re.M)}
-    assert names and all(n.startswith("continuum_kv_listener_") for n in names)
+    ours = {n for n in names if n.startswith("continuum_kv_listener_")}
+    # Beside ours only the standard process and platform metrics every exporter has.
+    assert ours and all(n.startswith(("process_", "python_")) for n in names - ours), names - ours
 
 
 def test_json_logs_one_event_per_line_with_bound_context() -> None:
