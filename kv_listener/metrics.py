@@ -157,7 +157,15 @@ class ListenerCollector(Collector):
             "declared down (engine_down_after); absent for sources whose engine is not watched.",
             labels=["backend"],
         )
+        publishers = GaugeMetricFamily(
+            PREFIX + "publishers_connected",
+            "ZMQ connections of the engine whose handshake succeeded and that are still up (one "
+            "per DP rank publishing); 0: no engine connected (GET /readyz/{backend} is 503).",
+            labels=["backend"],
+        )
         for v in views:
+            if v.stats.engine != "trtllm":
+                publishers.add_metric([v.backend], float(v.stats.publishers_connected))
             if v.stats.engine_state != "off":
                 engine_up.add_metric([v.backend], 0.0 if v.stats.engine_state == "down" else 1.0)
             ready.add_metric([v.backend], 1.0 if v.stats.ready else 0.0)
@@ -168,6 +176,7 @@ class ListenerCollector(Collector):
         yield last
         yield depth
         yield engine_up
+        yield publishers
 
         for name, doc in _TRACKER_GAUGES + _LIMIT_GAUGES:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["backend"])

@@ -181,6 +181,10 @@ async def test_per_source_readiness_needs_a_connected_engine(tmp_path: Path) -> 
                 stats = await resp.json()
             assert stats["sources"]["vllm-1"]["publishers_connected"] == 1
             assert stats["sources"]["vllm-2"]["publishers_connected"] == 1
+            async with http.get(f"{daemon.base}/metrics") as resp:
+                metrics = await resp.text()
+            for b in ("vllm-1", "vllm-2"):
+                assert f'continuum_kv_listener_publishers_connected{{backend="{b}"}} 1.0' in metrics
 
             # The engine goes away: its source is not ready any more, the other one still is.
             engine1.close()
