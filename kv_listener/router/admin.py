@@ -50,13 +50,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kv_listener.router.config import AdminAuthConfig, RouterConfig
 from kv_listener.router.index import PREFIX_HASH_RE, BackendEntries, IndexStats, KvIndex
 from kv_listener.router.metrics import AuthFailure, RouterMetrics
-from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S, LogThrottle
+from kv_listener.router.oplog import LogThrottle
 from kv_listener.router.redis_index import REDIS_ERRORS, IndexUnavailableError
 from kv_listener.router.scorer import KvOverlapScorer, PreparedPrefix
 
 log = structlog.get_logger(__name__)
 
 AUTH_REALM = "continuum-kv-router"
+#: The least time between two `admin_auth_failed` lines of one reason (the counter counts all).
+AUTH_LOG_INTERVAL_S = 60.0
 #: The longest request path an `admin_auth_failed` line carries (a scanner's paths are junk).
 _LOGGED_PATH_CHARS = 200
 _AUTH_ERRORS = {
@@ -115,7 +117,7 @@ class BearerAuth:
     valid bearer token unless `auth.exempt()` names its path (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, *, auth: AdminAuthConfig, metrics: RouterMetrics | None,
-                 log_interval_s: float = LOG_REPEAT_INTERVAL_S,
+                 log_interval_s: float = AUTH_LOG_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.app = app
         self.auth = auth
@@ -162,7 +164,7 @@ def create_admin_app(
     source_status: Callable[[], Iterable[SourceStatus]] = tuple,
     registry: CollectorRegistry | None = None,
     metrics: RouterMetrics | None = None,
-    auth_log_interval_s: float = LOG_REPEAT_INTERVAL_S,
+    auth_log_interval_s: float = AUTH_LOG_INTERVAL_S,
     clock: Callable[[], float] = time.monotonic,
 ) -> Starlette:
     """The admin app for `config`. `metrics` counts refused requests when `admin.auth` is set;

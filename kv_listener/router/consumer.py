@@ -22,6 +22,14 @@ Rules (SPEC §6-§8, seed "SSE 파싱 세부사항" and "스트림 동작 및 �
   (once; a peer that drains again without delivering anything gets the backoff). Event bus: while
   no listener session announces the backend (`no_session`), retry every `reconnect_interval_ms`
   without growing the backoff.
+- Logs (issue 14, finding 9), every line with `backend`, `transport` and the endpoint's `url`
+  (userinfo stripped): `kv_consumer_connect_failed` (an attempt that did not connect) and
+  `kv_consumer_disconnected` (a stream that was up ended) carry `reason` (`EndReason`), `error`
+  (exception class), `errno` and `strerror` or `http_status`, `detail`, `retry_in_s`, and for
+  connect failures `attempt` (consecutive failures) and `outage_s`. The first failure and a
+  changed one are logged at once, an unchanged one at most every `log_repeat_interval_s` (300 s)
+  with `suppressed` (the repeats logged at debug level meanwhile). `kv_consumer_connected`
+  (info) ends an outage with `outage_s` and `failed_attempts`.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from kv_listener.router.admin import SourceStatus
 from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.index import IndexEvent, KvIndex, PrefixEventType
 from kv_listener.router.metrics import EventDropReason
+from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S, LogThrottle, error_fields
 
 log = structlog.get_logger(__name__)
 
@@ -264,6 +273,13 @@ class _Attempt:
     detail: str = ""
     delivered: bool = False  # at least one record dispatched on this connection
     connected: bool = False  # the connection was established (HTTP 200, WebSocket open, bus bytes)
+    # What the operator acts on (`error`, `errno`, `strerror`, `http_status`): logged as fields.
+    error: dict[str, Any] = field(default_factory=dict)
+
+    def error_key(self) -> tuple[Any, ...]:
+        """What makes two failures "the same" for the log throttle."""
+        e = self.error
+        return (self.connected, self.reason, e.get("error"), e.get("errno"), e.get("http_status"))
 
 
 class _SourceRunner:
@@ -276,11 +292,20 @@ class _SourceRunner:
         self.state = state
         self.backoff = Backoff(config.reconnect_interval_s)
         self.task: asyncio.Task[None] | None = None
-        self.log = log.bind(backend=config.backend_name, transport=config.transport.value)
+        context: dict[str, Any] = {"backend": config.backend_name,
+                                   "transport": config.transport.value}
+        if config.endpoint is not None:
+            context["url"] = _redacted(config.endpoint)
+        self.log = log.bind(**context)
         self._prompt_used = False  # a draining-triggered immediate reconnect is pending proof
         self.delivered = False  # the current connection dispatched at least one record
-        self._last_logged: EndReason | None = None
         self._drop_logged: set[EventDropReason] = set()
+        # Failure logs (issue 14, finding 9): bounded, and paired with the recovery line.
+        self._throttle = LogThrottle(manager.log_repeat_interval_s, manager.monotonic)
+        self._outage_since: float | None = None  # monotonic time the stream went down
+        self._failures = 0  # attempts that did not connect since the stream was last up
+        self._down_logged = False  # a down line was logged since the last connection
+        self._tracebacks_logged: set[str] = set()  # unexpected error classes, per outage
 
     # --- loop ------------------------------------------------------------------------------
 
@@ -293,6 +318,7 @@ class _SourceRunner:
             first = False
             self.state.next_delay_s = None
             self._drop_logged.clear()
+            started = self.manager.monotonic()
             try:
                 attempt = await self._connect_once()
             finally:
@@ -301,7 +327,7 @@ class _SourceRunner:
             polling_session = attempt.reason is EndReason.NO_SESSION
             delay = self._delay_after(attempt)
             self.state.next_delay_s = delay
-            self._log_end(attempt, delay)
+            self._log_end(attempt, delay, started)
             if delay > 0:
                 await self.manager.sleep(delay)
 
@@ -317,22 +343,38 @@ class _SourceRunner:
             return 0.0
         return self.backoff.next_delay()
 
-    def _log_end(self, attempt: _Attempt, delay: float) -> None:
+    def _log_end(self, attempt: _Attempt, delay: float, started: float) -> None:
+        """One line per attempt that ended, bounded: the first failure, a changed failure, then
+        the same failure at most every `log_repeat_interval_s` (the others at debug level),
+        each with the attempt count, the outage so far and the next retry delay."""
         if attempt.reason not in (EndReason.DRAINING, EndReason.BUFFER_OVERFLOW,
                                   EndReason.STREAM_ENDED):
             self.state.last_error = (f"{attempt.reason.value}: {attempt.detail}" if attempt.detail
                                      else attempt.reason.value)
-        # A dead endpoint would log every few seconds forever: warn when the reason changes.
-        quiet = attempt.reason is self._last_logged and not attempt.delivered
-        self._last_logged = attempt.reason
-        event = "kv_consumer_disconnected" if attempt.connected else "kv_consumer_connect_failed"
-        fields: dict[str, Any] = {"reason": attempt.reason.value, "retry_in_s": round(delay, 3)}
+        now = self.manager.monotonic()
+        fields: dict[str, Any] = {"reason": attempt.reason.value, **attempt.error}
         if attempt.detail:
             fields["detail"] = attempt.detail
-        if quiet:
+        if attempt.connected:  # a stream that was up ended: the outage starts now
+            event = "kv_consumer_disconnected"
+            self._outage_since, self._failures = now, 0
+        else:
+            event = "kv_consumer_connect_failed"
+            if self._outage_since is None:  # never connected since the start
+                self._outage_since = started
+            self._failures += 1
+            fields["attempt"] = self._failures
+            fields["outage_s"] = round(max(0.0, now - self._outage_since), 3)
+        fields["retry_in_s"] = round(delay, 3)
+        held = self._throttle.check(attempt.error_key())
+        if held is None:
             self.log.debug(event, **fields)
-        elif attempt.reason in (EndReason.DRAINING, EndReason.BUFFER_OVERFLOW,
-                                EndReason.STREAM_ENDED, EndReason.NO_SESSION):
+            return
+        if held:
+            fields["suppressed"] = held  # same failure, logged at debug level since the last line
+        self._down_logged = True
+        if attempt.reason in (EndReason.DRAINING, EndReason.BUFFER_OVERFLOW,
+                              EndReason.STREAM_ENDED, EndReason.NO_SESSION):
             self.log.info(event, **fields)
         else:
             self.log.warning(event, **fields)
@@ -343,8 +385,19 @@ class _SourceRunner:
         self.state.connected = connected
         if connected:
             self.state.connections += 1
-            self._last_logged = None
-            self.log.info("kv_consumer_connected", resume=self.state.last_event_id is not None)
+            fields: dict[str, Any] = {"resume": self.state.last_event_id is not None}
+            if self._outage_since is not None:
+                fields["outage_s"] = round(max(0.0, self.manager.monotonic() - self._outage_since), 3)
+                fields["failed_attempts"] = self._failures
+            # Every down line the operator saw gets its up line; a flapping stream whose down
+            # lines were held back has its up lines at debug level too.
+            if self._down_logged or self.state.connections == 1:
+                self.log.info("kv_consumer_connected", **fields)
+            else:
+                self.log.debug("kv_consumer_connected", **fields)
+            self._down_logged = False
+            self._outage_since, self._failures = None, 0
+            self._tracebacks_logged.clear()
         metrics = self.manager.metrics
         if metrics is not None:
             metrics.set_connected(self.config.backend_name, connected)
@@ -364,24 +417,43 @@ class _SourceRunner:
             return await self._run_http(cfg.endpoint)
         except asyncio.CancelledError:
             raise
-        except TimeoutError:
-            return self.attempt(EndReason.TIMEOUT, "no data within the read timeout")
+        except TimeoutError as exc:
+            m = self.manager
+            detail = (f"no connection within {m.connect_timeout_s:g} s"
+                      if isinstance(exc, aiohttp.ConnectionTimeoutError)
+                      else f"no data within {m.read_timeout_s:g} s")
+            return self.attempt(EndReason.TIMEOUT, detail, exc=exc)
         except aiohttp.WSServerHandshakeError as exc:
             reason = EndReason.HTTP_404 if exc.status == 404 else EndReason.HTTP_STATUS
-            return self.attempt(reason, f"HTTP {exc.status}")
+            return self.attempt(reason, f"HTTP {exc.status}", http_status=exc.status)
         except aiohttp.ClientPayloadError as exc:
             # The peer cut the response body (listener killed, proxy reset): a plain disconnect.
-            return self.attempt(EndReason.STREAM_ENDED, type(exc).__name__)
+            return self.attempt(EndReason.STREAM_ENDED, exc=exc)
         except (aiohttp.ClientConnectionError, OSError) as exc:
-            return self.attempt(EndReason.CONNECT_ERROR, type(exc).__name__)
+            return self.attempt(EndReason.CONNECT_ERROR, exc=exc)
         except Exception as exc:
             # Whatever else a transport (or an injected bus stream) raises must not end this
-            # backend's updates: count it, log it with its traceback, back off, try again.
-            self.log.error("kv_consumer_error", error=type(exc).__name__, exc_info=exc)
-            return self.attempt(EndReason.ERROR, type(exc).__name__)
+            # backend's updates: count it, log it with its traceback (once per class and
+            # outage: the attempt's own line repeats, bounded), back off, try again.
+            if type(exc).__name__ not in self._tracebacks_logged:
+                self._tracebacks_logged.add(type(exc).__name__)
+                self.log.error("kv_consumer_error", error=type(exc).__name__, exc_info=exc)
+            return self.attempt(EndReason.ERROR, exc=exc)
 
-    def attempt(self, reason: EndReason, detail: str = "") -> _Attempt:
-        return _Attempt(reason, detail, self.delivered, self.state.connected)
+    def attempt(self, reason: EndReason, detail: str = "", *, exc: BaseException | None = None,
+                http_status: int | None = None) -> _Attempt:
+        """How this connection attempt ended. `exc` adds its class, errno and strerror (and
+        makes the detail, when none is given); never its message, which may hold a URL."""
+        error: dict[str, Any] = {}
+        if exc is not None:
+            error = error_fields(exc)
+            if not detail:
+                detail = error["error"]
+                if "errno" in error:
+                    detail += f": [Errno {error['errno']}] {error['strerror']}"
+        if http_status is not None:
+            error["http_status"] = http_status
+        return _Attempt(reason, detail, self.delivered, self.state.connected, error)
 
     def _headers(self) -> dict[str, str]:
         headers = {"Accept": "text/event-stream", "Cache-Control": "no-cache"}
@@ -400,7 +472,7 @@ class _SourceRunner:
                                timeout=timeout, ssl=m.ssl_param) as resp:
             if resp.status != 200:
                 reason = EndReason.HTTP_404 if resp.status == 404 else EndReason.HTTP_STATUS
-                return self.attempt(reason, f"HTTP {resp.status}")
+                return self.attempt(reason, f"HTTP {resp.status}", http_status=resp.status)
             if resp.content_type != "text/event-stream":
                 return self.attempt(EndReason.BAD_CONTENT_TYPE, resp.content_type[:64])
             self.set_connected(True)
@@ -433,7 +505,7 @@ class _SourceRunner:
                             and exc.code == aiohttp.WSCloseCode.MESSAGE_TOO_BIG):
                         self.drop(EventDropReason.OVERSIZED, "WebSocket message over the cap")
                         return self.attempt(EndReason.OVERSIZED, "WebSocket message over the cap")
-                    return self.attempt(EndReason.PROTOCOL_ERROR, type(exc).__name__)
+                    return self.attempt(EndReason.PROTOCOL_ERROR, exc=exc)
             return self.attempt(EndReason.STREAM_ENDED)
 
     async def _run_bus(self) -> _Attempt:
@@ -567,8 +639,10 @@ class KvEventConsumerManager:
     from it is counted (`index_error`) and the stream goes on. `open_announced_stream` serves
     `transport: event_bus` sources (see `OpenAnnouncedStream`); `no_session_error` is the
     exception (class or tuple) it raises while nobody announces the backend. `clock` gives the
-    wall-clock time of `last_event_at`; `sleep` waits between attempts (tests inject both).
-    `ssl_context` is passed to aiohttp for https/wss endpoints (None: verify against the system roots).
+    wall-clock time of `last_event_at`; `sleep` waits between attempts; `monotonic` times outages
+    and spaces the repeats of an unchanged failure's log line by `log_repeat_interval_s` (tests
+    inject all three). `ssl_context` is passed to aiohttp for https/wss endpoints (None: verify
+    against the system roots).
     """
 
     def __init__(
@@ -581,6 +655,8 @@ class KvEventConsumerManager:
         metrics: ConsumerMetrics | None = None,
         clock: Callable[[], float] = time.time,
         sleep: Sleep = asyncio.sleep,
+        monotonic: Callable[[], float] = time.monotonic,
+        log_repeat_interval_s: float = LOG_REPEAT_INTERVAL_S,
         ssl_context: ssl.SSLContext | None = None,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
@@ -591,6 +667,8 @@ class KvEventConsumerManager:
         self.metrics = metrics
         self.clock = clock
         self.sleep = sleep
+        self.monotonic = monotonic
+        self.log_repeat_interval_s = log_repeat_interval_s
         self.ssl_param: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s

@@ -19,8 +19,10 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-#: The least time between two log lines of one unchanged repeating failure.
-LOG_REPEAT_INTERVAL_S = 60.0
+#: The least time between two log lines of one unchanged repeating failure. Above the consumer's
+#: 60 s backoff cap, so a listener down for hours costs one line per 5 attempts, not one each
+#: (the outage itself is `continuum_kv_consumer_connected == 0`'s to alert on).
+LOG_REPEAT_INTERVAL_S = 300.0
 
 
 def os_error_of(exc: BaseException) -> OSError | None:
@@ -51,8 +53,9 @@ class LogThrottle:
     """Decides whether one occurrence of a repeating condition is logged now.
 
     `check(key)` returns None to hold the occurrence back (same key as the previous occurrence,
-    less than `interval_s` after the last logged one), else the number of occurrences held back
-    since the last logged line. `clock` is monotonic seconds (tests inject one).
+    less than `interval_s` after the last logged one), else the number of occurrences of this
+    key held back since its last logged line (0 for a new or changed key: what was held back
+    then was another condition). `clock` is monotonic seconds (tests inject one).
     """
 
     def __init__(self, interval_s: float = LOG_REPEAT_INTERVAL_S,
@@ -70,7 +73,8 @@ class LogThrottle:
         if not changed and self._logged_at is not None and now - self._logged_at < self.interval_s:
             self._held += 1
             return None
-        held, self._held = self._held, 0
+        held = 0 if changed else self._held
+        self._held = 0
         self._logged_at = now
         return held
 

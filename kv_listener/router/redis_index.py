@@ -44,6 +44,14 @@ them); such entries live until their TTL unless the consumers resync their strea
 starts with `cache_cleared`, which the consumer manager can trigger from the state listener).
 With `fallback_to_memory: false` writes raise `IndexUnavailableError` (the consumer counts a drop)
 and queries return no holder (the request falls back to the default strategy).
+
+Logs name the Redis by `address` (`host:port` or `unix:<path>`, never the URL: it may hold the
+password) and the failure by `error` (class), `errno` and `strerror`: `kv_index_redis_unavailable`
+(the switch to the fallback), `kv_index_redis_still_unavailable` (failed probes, at most one line
+per `log_repeat_interval_s`, 5 minutes, with `probes_failed` and `outage_s`),
+`kv_index_redis_recovered` (`outage_s`, `copied_entries`), `kv_index_redis_recovery_failed`;
+without the fallback `kv_index_redis_error` (the first failure, a changed one, then at most one
+line per 5 minutes with `suppressed`).
 """
 
 from __future__ import annotations
@@ -91,6 +99,7 @@ from kv_listener.router.index import (
     transition,
 )
 from kv_listener.router.metrics import RouterMetrics
+from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S, LogThrottle, error_fields
 
 log = structlog.get_logger(__name__)
 
@@ -148,6 +157,17 @@ def _cancel_all(batch: dict[str, _Waiters]) -> None:
             fut.cancel()
 
 
+def redis_address(client: Redis) -> str:
+    """`host:port` (or `unix:<path>`) the client connects to, for logs: never the URL, which
+    may carry the password."""
+    kwargs = client.connection_pool.connection_kwargs
+    if kwargs.get("path"):
+        return f"unix:{kwargs['path']}"
+    host = str(kwargs.get("host", "localhost"))
+    port = kwargs.get("port", 6379)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
@@ -165,6 +185,7 @@ class RedisKvIndex(KvIndex):
         metrics: RouterMetrics | None = None,
         probe_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        log_repeat_interval_s: float = LOG_REPEAT_INTERVAL_S,
     ) -> None:
         self._client = client
         self.key_prefix = key_prefix
@@ -180,6 +201,12 @@ class RedisKvIndex(KvIndex):
         self._metrics = metrics
         self.probe_interval_s = probe_interval_s
         self._clock = clock
+        self.address = redis_address(client)
+        # Failure logs (issue 14, finding 9): where Redis is, why it failed, bounded in number.
+        self._error_log = LogThrottle(log_repeat_interval_s, clock)
+        self._probe_log = LogThrottle(log_repeat_interval_s, clock)
+        self._down_since: float | None = None  # when the fallback took over (its clock)
+        self.probes_failed = 0  # failed PINGs of the current outage (readable, like redis_errors)
         self._fallback_active = False
         self._probe_task: asyncio.Task[None] | None = None
         self._copying: asyncio.Event | None = None  # set while fallback entries go back to Redis
@@ -203,6 +230,7 @@ class RedisKvIndex(KvIndex):
         metrics: RouterMetrics | None = None,
         probe_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        log_repeat_interval_s: float = LOG_REPEAT_INTERVAL_S,
     ) -> RedisKvIndex:
         """Build the client from `response_cache.redis`. Raises ConfigError (password file)."""
         url = redis_cfg.url
@@ -232,6 +260,7 @@ class RedisKvIndex(KvIndex):
             entry_ttl_seconds=kv_cfg.entry_ttl_seconds, offloading=kv_cfg.storage_offloading,
             fallback_to_memory=redis_cfg.fallback_to_memory, max_entries=kv_cfg.max_entries,
             metrics=metrics, probe_interval_s=probe_interval_s, clock=clock,
+            log_repeat_interval_s=log_repeat_interval_s,
         )
 
     # --- keys ------------------------------------------------------------------------------
@@ -260,27 +289,42 @@ class RedisKvIndex(KvIndex):
         await self._healthy.wait()
 
     async def ping(self) -> bool:
+        return await self._ping() is None
+
+    async def _ping(self) -> BaseException | None:
         try:
             await self._client.ping()
-        except REDIS_ERRORS:
-            return False
-        return True
+        except REDIS_ERRORS as exc:
+            return exc
+        return None
 
     def _failed(self, exc: BaseException, op: str) -> None:
         self.redis_errors += 1
+        fields = error_fields(exc)
         if self._fallback is None:
-            log.warning("kv_index_redis_error", op=op, error=type(exc).__name__)
+            # Every write fails while Redis is down: the first failure, a changed one, then
+            # one line per log_repeat_interval_s with the failures since the last line.
+            held = self._error_log.check((op, fields["error"], fields.get("errno")))
+            if held is not None:
+                log.warning("kv_index_redis_error", op=op, address=self.address,
+                            redis_errors=self.redis_errors, suppressed=held, **fields)
             return
         if self._fallback_active:
             return
         self._fallback_active = True
         self._healthy.clear()
+        self._down_since = self._clock()
+        self.probes_failed = 0
+        self._probe_log.reset()
         if self._metrics is not None:
             self._metrics.set_fallback_active(True)
-        log.warning("kv_index_redis_unavailable", op=op, error=type(exc).__name__,
-                    fallback="memory", probe_interval_s=self.probe_interval_s)
+        log.warning("kv_index_redis_unavailable", op=op, address=self.address, fallback="memory",
+                    probe_interval_s=self.probe_interval_s, **fields)
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
         self._notify(True)
+
+    def _outage_s(self) -> float | None:
+        return None if self._down_since is None else round(self._clock() - self._down_since, 3)
 
     def _notify(self, active: bool) -> None:
         for cb in self._listeners:
@@ -292,8 +336,19 @@ class RedisKvIndex(KvIndex):
     async def _probe_loop(self) -> None:
         while True:
             await asyncio.sleep(self.probe_interval_s)  # the seed's periodic health probe
-            if await self.ping() and await self._recover():
-                return
+            failure = await self._ping()
+            if failure is None:
+                if await self._recover():
+                    return
+                continue
+            self.probes_failed += 1
+            fields = error_fields(failure)
+            # Still down: at most one line per log_repeat_interval_s (or when the error changes).
+            held = self._probe_log.check((fields["error"], fields.get("errno")))
+            if held is not None:
+                log.warning("kv_index_redis_still_unavailable", address=self.address,
+                            probes_failed=self.probes_failed, outage_s=self._outage_s(),
+                            next_probe_in_s=self.probe_interval_s, suppressed=held, **fields)
 
     async def _recover(self) -> bool:
         fallback = self._fallback
@@ -315,7 +370,8 @@ class RedisKvIndex(KvIndex):
             for ph, backend, tier, tokens, age in snapshot:  # oldest first: keeps the order
                 fallback.upsert(ph, backend, tier, tokens, now - age)
             self._fallback_active = True
-            log.warning("kv_index_redis_recovery_failed", error=type(exc).__name__)
+            log.warning("kv_index_redis_recovery_failed", address=self.address,
+                        outage_s=self._outage_s(), **error_fields(exc))
             return False
         finally:
             self._copying = None
@@ -323,7 +379,9 @@ class RedisKvIndex(KvIndex):
         self._healthy.set()
         if self._metrics is not None:
             self._metrics.set_fallback_active(False)
-        log.info("kv_index_redis_recovered", copied_entries=len(snapshot))
+        log.info("kv_index_redis_recovered", address=self.address, copied_entries=len(snapshot),
+                 outage_s=self._outage_s(), probes_failed=self.probes_failed)
+        self._down_since = None
         self._notify(False)
         return True
 
