@@ -17,11 +17,17 @@ and answers with `usage.prompt_tokens_details.cached_tokens`: the ground truth b
 rate (cached prompt tokens / prompt tokens, the engines' own measure, like vLLM's prefix cache
 hit rate). Its KV events flow back through the listener into the router's index.
 
-The live view (when stdout is a terminal and not `--headless`) is redrawn twice a second with
-plain ANSI escapes. The demo ends after `--duration` seconds of traffic, or on Ctrl-C / SIGTERM /
-SIGHUP: traffic stops, running requests finish, the listener gets SIGTERM (and must exit 0), the
-router and engines stop, and the last stdout line is the summary
-`routing: kv_aware=<n> fallback=<m> hit_rate=<x>`. Exit 0, or 1 when something failed.
+Setting up takes seconds (the tokenizer, then the listener's own start; 10 s and more on a busy
+machine), so the first output comes at once: on a terminal (stdout a TTY, not `--headless`,
+TERM not `dumb`) a start-up view lists what the demo waits for (engines up, listener ready,
+router consuming, first prefix records) and gives way to the live view, redrawn twice a second
+with plain ANSI escapes, a legend of its columns under it. Otherwise every line is plain text
+with no escape codes: one line when the demo starts, one per stage, the per-backend figures at
+the end. The demo ends after `--duration` seconds of traffic, or on Ctrl-C / SIGTERM / SIGHUP:
+traffic stops, running requests finish, the listener gets SIGTERM (and must exit 0), the router
+and engines stop, and the last stdout line is the summary
+`routing: kv_aware=<n> fallback=<m> hit_rate=<x>`, printed once (the live view does not carry
+it). Exit 0, or 1 when something failed.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -85,6 +91,10 @@ CONNECT_TIMEOUT_S = 15.0
 #: Running requests get this long to finish once traffic stops; the rest are cancelled.
 FINISH_TIMEOUT_S = 5.0
 REDRAW_INTERVAL_S = 0.5
+#: The start-up view is redrawn this often (its clock shows that something is happening).
+STARTUP_REDRAW_INTERVAL_S = 0.2
+#: How long the start-up view waits for the first prefix records once traffic runs.
+FIRST_RECORDS_PATIENCE_S = 10.0
 #: After a SIGINT, how long to look for the listener stopping on its own (a terminal's Ctrl-C
 #: reached it too) before it gets SIGTERM.
 SIGINT_GRACE_S = 2.0
@@ -182,9 +192,35 @@ def _bar(fraction: float, width: int = 24) -> str:
     return "#" * filled + "." * (width - filled)
 
 
+#: What the live view's columns mean, shown under it (packed to the terminal's width).
+LEGEND: tuple[tuple[str, str], ...] = (
+    ("run", "in flight"),
+    ("requests", "served"),
+    ("kv_aware", "routed to a holder the index named"),
+    ("fallback", "least-loaded (no holder)"),
+    ("hit rate", "cached/prompt tokens"),
+    ("cached", "engine's cached/total KV blocks"),
+    ("records", "prefix records indexed"),
+    ("stream", "listener -SSE-> router"),
+    ("holders", "engines the index says cache the prompt"),
+)
+
+
+def pack(items: Sequence[str], width: int, sep: str = "  ") -> list[str]:
+    """`items` in order on as few lines of `width` columns as fit, never split inside an item
+    (one longer than `width` gets a line of its own and is cut by the caller)."""
+    lines: list[str] = []
+    for item in items:
+        if lines and len(lines[-1]) + len(sep) + len(item) <= width:
+            lines[-1] += sep + item
+        else:
+            lines.append(item)
+    return lines
+
+
 def render_view(state: ViewState, width: int = 80) -> list[str]:
     """The live view as plain lines (no escapes), each cut to `width` columns; the tables fit
-    in 80."""
+    in 80. The summary line is not part of it: it is printed once, after the last drawing."""
     if state.duration_s is not None:
         frac = min(1.0, state.elapsed_s / state.duration_s) if state.duration_s > 0 else 1.0
         progress = (f"{state.elapsed_s:5.1f}s/{state.duration_s:g}s "
@@ -195,7 +231,7 @@ def render_view(state: ViewState, width: int = 80) -> list[str]:
     lines = [
         f"{PROG} demo  {progress}  {status}",
         f"engines -ZMQ-> listener ({state.listener}) -SSE-> router",
-        f"router admin: {state.admin_url}",
+        f"router admin: {state.admin_url}  traffic {state.rate_rps:.1f} req/s",
         "",
         f"{'backend':<8} {'run':>4} {'requests':>8} {'kv_aware':>8} {'fallback':>8} "
         f"{'hit rate':>8} {'cached':>8} {'records':>7}  stream",
@@ -206,6 +242,14 @@ def render_view(state: ViewState, width: int = 80) -> list[str]:
             f"{b.name:<8} {b.running:>4} {c.requests:>8} {c.kv_aware:>8} {c.fallback:>8} "
             f"{c.hit_rate:>8.2f} {f'{b.cached_blocks}/{b.total_blocks}':>8} {b.records:>7}  "
             f"{'up' if b.connected else 'down'}")
+    t = state.totals
+    up = sum(b.connected for b in state.backends)
+    cached = f"{sum(b.cached_blocks for b in state.backends)}/" \
+             f"{sum(b.total_blocks for b in state.backends)}"
+    lines.append(
+        f"{'all':<8} {sum(b.running for b in state.backends):>4} {t.requests:>8} "
+        f"{t.kv_aware:>8} {t.fallback:>8} {t.hit_rate:>8.2f} {cached:>8} "
+        f"{sum(b.records for b in state.backends):>7}  {up}/{len(state.backends)} up")
     lines += ["", f"{'system prompt':<14} {'prefix hash':<14} holders in the router's index "
                   "(tokens)"]
     for p in state.prefixes:
@@ -213,10 +257,68 @@ def render_view(state: ViewState, width: int = 80) -> list[str]:
         lines.append(f"{p.label:<14} {p.prefix_hash[:12] + '..':<14} {holders}")
     if state.other_prefixes:
         lines.append(f"{'(other)':<14} {state.other_prefixes} more prefixes")
-    t = state.totals
-    lines += ["", f"{summary_line(t)}  ({t.requests} served, {state.rate_rps:.1f} req/s)"]
-    if state.listener_warnings:
-        lines.append(f"listener warnings: {state.listener_warnings}")
+    if t.skipped or state.listener_warnings:
+        lines += ["", f"skipped arrivals (over {MAX_OUTSTANDING} pending): {t.skipped}  "
+                      f"listener warnings: {state.listener_warnings}"]
+    # Last, so that a short terminal loses the legend first (see LiveView.draw).
+    lines += ["", *pack([f"{k}: {v}" for k, v in LEGEND], min(width, 80))]
+    return [line[:width] for line in lines]
+
+
+# --- the start-up view -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Stage:
+    """One step the demo waits for before its live view means something."""
+
+    name: str  # "engines up", ...
+    waiting_for: str  # what it waits for, shown until it is done
+    done_s: float | None = None  # seconds from the start when it was done
+    detail: str = ""  # what came up, once done
+    failed: bool = False
+
+
+def startup_stages(engines: int) -> list[Stage]:
+    return [
+        Stage("engines up", f"{engines} simulated vLLM engines: tokenizer, servers"),
+        Stage("listener ready", "the listener daemon, subscribed to their ZMQ"),
+        Stage("router consuming", "its consumers on the listener's SSE streams"),
+        Stage("first prefix records", "traffic's KV events in the router's index"),
+    ]
+
+
+def startup_line(engines: int) -> str:
+    """The first line the headless demo prints, before anything starts."""
+    names = ", ".join(s.name for s in startup_stages(engines))
+    return (f"demo: starting {engines} simulated vLLM engines, the listener and the router on "
+            f"127.0.0.1; waiting for: {names}")
+
+
+def stage_line(stage: Stage) -> str:
+    """A headless line for a stage that is done (or failed)."""
+    when = f"{stage.done_s:.1f} s" if stage.done_s is not None else "?"
+    if stage.failed:
+        return f"demo: {stage.name}: failed after {when}"
+    return f"demo: {stage.name} ({when}): {stage.detail}"
+
+
+def render_startup(stages: Sequence[Stage], elapsed_s: float, *, status: str = "Ctrl-C to stop",
+                   width: int = 80) -> list[str]:
+    """The start-up view: what is starting and what it waits for (plain lines, cut to `width`;
+    they fit in 80)."""
+    current = next((i for i, s in enumerate(stages) if s.done_s is None), len(stages))
+    lines = [f"{PROG} demo  starting {elapsed_s:5.1f}s  {status}",
+             "engines -ZMQ-> listener -SSE-> router on 127.0.0.1, waiting for:", ""]
+    for i, s in enumerate(stages):
+        if s.failed:
+            mark, when, text = "fail", f"{s.done_s or 0:4.1f}s", s.waiting_for
+        elif s.done_s is not None:
+            mark, when, text = " ok ", f"{s.done_s:4.1f}s", s.detail
+        else:
+            mark, when, text = " .. " if i == current else "    ", "", s.waiting_for
+        lines.append(f"[{mark}] {s.name:<20} {when:>5}  {text}")
+    lines += ["", "then the live view"]
     return [line[:width] for line in lines]
 
 
@@ -226,21 +328,35 @@ class LiveView:
     def __init__(self, out: TextIO) -> None:
         self.out = out
         self._lines = 0
+        self._cursor_hidden = False
 
-    def draw(self, lines: Sequence[str]) -> None:
+    def draw(self, lines: Sequence[str], rows: int | None = None, *, last: bool = False) -> None:
+        """Draw `lines`, at most `rows - 1` of them: a drawing taller than the terminal would
+        scroll, and the cursor could no longer go back to its first line. The `last` drawing
+        shows the cursor again before its final newline, so the line printed after it (the
+        summary) starts clean."""
+        if rows is not None and len(lines) >= rows:
+            lines = lines[:max(1, rows - 1)]
         buf = []
         if self._lines:
             buf.append(f"\x1b[{self._lines}F\x1b[J")
-        else:
-            buf.append("\x1b[?25l")  # hide the cursor while drawing
-        buf.append("\n".join(lines) + "\n")
+        if not self._cursor_hidden and not last:
+            buf.append("\x1b[?25l")  # hidden while drawing
+            self._cursor_hidden = True
+        buf.append("\n".join(lines))
+        if last and self._cursor_hidden:
+            buf.append("\x1b[?25h")
+            self._cursor_hidden = False
+        buf.append("\n")
         self.out.write("".join(buf))
         self.out.flush()
         self._lines = len(lines)
 
     def close(self) -> None:
-        self.out.write("\x1b[?25h")
-        self.out.flush()
+        if self._cursor_hidden:
+            self.out.write("\x1b[?25h")
+            self.out.flush()
+            self._cursor_hidden = False
 
 
 # --- the listener child process ----------------------------------------------------------------
@@ -427,8 +543,28 @@ class Demo:
         self._rr = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._rng = random.Random(SEED)  # noqa: S311 - arrival times, not secrets
-        self._started_at = 0.0
+        self._started_at = 0.0  # traffic started (monotonic), 0 until then
         self._served_times: deque[float] = deque()
+        self._t0 = time.monotonic()  # the demo started: the start-up view counts from here
+        self.stages = startup_stages(engines)
+        self._stage = {s.name: s for s in self.stages}
+        self.view_live = False  # the start-up view has given way to the live view
+        #: The view when traffic ended, shown while the parts stop and after: their streams
+        #: close and the request rate decays, which would blur the figures of the run.
+        self.final: ViewState | None = None
+
+    def _stage_done(self, name: str, detail: str) -> None:
+        stage = self._stage[name]
+        stage.done_s, stage.detail = time.monotonic() - self._t0, detail
+        if not self.live:
+            self.out.write(stage_line(stage) + "\n")
+            self.out.flush()
+
+    def _stage_failed(self) -> None:
+        """The stage being waited for when the demo failed or was stopped."""
+        stage = next((s for s in self.stages if s.done_s is None), None)
+        if stage is not None:
+            stage.done_s, stage.failed = time.monotonic() - self._t0, True
 
     # --- setup ---------------------------------------------------------------------------------
 
@@ -446,6 +582,7 @@ class Demo:
             self.engines[name] = engine
             self.servers[name] = await EngineServer(
                 engine, model=DEMO_MODEL, timing=TIMING, tokenizer_info=info).start()
+        self._stage_done("engines up", ", ".join(f"{n} :{s.port}" for n, s in self.servers.items()))
         config_path = tmp / "listener.yaml"
         config_path.write_text(yaml.safe_dump(listener_config(
             self.listener_port, list(self.servers.values()), str(DEMO_TOKENIZER_DIR))))
@@ -457,6 +594,7 @@ class Demo:
                     await engine.publisher.wait_for_subscriber(timeout_s=CONNECT_TIMEOUT_S)
         except TimeoutError:
             raise DemoError("the listener did not subscribe to the engines' event sockets") from None
+        self._stage_done("listener ready", f"pid {self.listener.pid}, port {self.listener_port}")
         sources = tuple(
             EventSourceConfig(name, Transport.SSE,
                               f"http://127.0.0.1:{self.listener_port}/events/{name}",
@@ -476,6 +614,26 @@ class Demo:
             if time.monotonic() > deadline:
                 raise DemoError("the router could not connect to the listener's event streams")
             await asyncio.sleep(0.05)  # no event to await: the consumers expose state only
+        self._stage_done("router consuming", f"{len(self.names)} streams, admin port {self.admin_port}")
+
+    async def await_first_records(self) -> None:
+        """Once traffic runs: until the router's index applied a first prefix record (or
+        FIRST_RECORDS_PATIENCE_S passed: the live view then shows where they stay), then the
+        live view takes over."""
+        assert self.router is not None and self.router.consumers is not None
+        consumers = self.router.consumers
+        deadline = time.monotonic() + FIRST_RECORDS_PATIENCE_S
+        while (applied := sum(consumers.state(n).applied for n in self.names)) == 0:
+            if time.monotonic() > deadline:
+                self._stage_done("first prefix records",
+                                 f"none after {FIRST_RECORDS_PATIENCE_S:g} s of traffic")
+                break
+            await asyncio.sleep(0.05)  # no event to await: the consumers expose state only
+        else:
+            self._stage_done("first prefix records", f"{applied} applied; traffic "
+                             + (f"for {self.duration_s:g} s" if self.duration_s else
+                                "until Ctrl-C"))
+        self.view_live = True
 
     async def teardown(self) -> int:
         """Stop everything; returns the listener's exit code."""
@@ -606,10 +764,25 @@ class Demo:
             listener_warnings=self.listener.warnings, stopping=self.stopping, done=done,
             rate_rps=len(self._served_times) / min(5.0, max(elapsed, 1e-3)))
 
+    def _draw(self, view: LiveView, *, done: bool = False) -> None:
+        """One drawing: the start-up view, the live view, or (`done`) the last one."""
+        size = shutil.get_terminal_size()
+        if self.final is not None:
+            lines = render_view(replace(self.final, stopping=not done, done=done), size.columns)
+        elif self.view_live:
+            lines = render_view(self.view_state(), size.columns)
+        else:
+            status = ("stopped" if done else "stopping..." if self.stopping or self.stop.is_set()
+                      else "Ctrl-C to stop")
+            lines = render_startup(self.stages, time.monotonic() - self._t0, status=status,
+                                   width=size.columns)
+        view.draw(lines, size.lines, last=done)
+
     async def redraw(self, view: LiveView) -> None:
+        """The start-up view until the first prefix records are in, then the live view."""
         while True:
-            view.draw(render_view(self.view_state(), shutil.get_terminal_size().columns))
-            await asyncio.sleep(REDRAW_INTERVAL_S)
+            self._draw(view)
+            await asyncio.sleep(REDRAW_INTERVAL_S if self.view_live else STARTUP_REDRAW_INTERVAL_S)
 
     # --- main ----------------------------------------------------------------------------------
 
@@ -621,28 +794,39 @@ class Demo:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        # Something on the screen at once: setting up takes seconds (the tokenizer, the
+        # listener's own start), more on a busy machine.
         view = LiveView(self.out) if self.live else None
+        drawer = asyncio.create_task(self.redraw(view), name="demo-view") if view else None
+        if view is None:
+            self.out.write(startup_line(self.n_engines) + "\n")
+            self.out.flush()
         failure: str | None = None
         code = 0
         try:
             with tempfile.TemporaryDirectory(prefix="kv-listener-demo-") as tmp:
                 try:
                     if await self._setup_or_stop(Path(tmp)):
-                        if not self.live:
-                            self._print_start()
-                        failure = await self._run_traffic(view)
+                        failure = await self._run_traffic()
                 except DemoError as exc:
                     failure = str(exc)
                 except Exception as exc:  # a bug: one line for the operator, details in the log
                     log.error("demo_failed", exc_info=exc)
                     failure = f"{type(exc).__name__}: {exc}"
                 finally:
+                    if failure is not None:
+                        self._stage_failed()
                     self.stopping = True
                     code = await self.teardown()
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+            if drawer is not None:
+                drawer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await drawer
             if view is not None:
+                self._draw(view, done=True)
                 view.close()
         # A Ctrl-C that reached the listener while it was still starting (before its signal
         # handlers) ends it by SIGINT: the same interruption as ours, not a failure.
@@ -653,6 +837,7 @@ class Demo:
             sys.stderr.write(f"{PROG}: error: demo: {failure}\n")
         elif not self.live and self._started_at:
             self._print_end()
+        # The one summary line (the live view does not repeat it), last on stdout (SPEC §9).
         self.out.write(summary_line(self.totals) + "\n")
         self.out.flush()
         return 0 if failure is None else 1
@@ -662,10 +847,10 @@ class Demo:
         and whatever was started is stopped by `teardown`."""
         return await run_unless_stopped(self.setup(tmp), self.stop)
 
-    async def _run_traffic(self, view: LiveView | None) -> str | None:
+    async def _run_traffic(self) -> str | None:
         self._started_at = time.monotonic()
         traffic = asyncio.create_task(self.traffic(), name="demo-traffic")
-        drawer = asyncio.create_task(self.redraw(view), name="demo-view") if view else None
+        first = asyncio.create_task(self.await_first_records(), name="demo-first-records")
         try:
             waiters = {asyncio.create_task(self.stop.wait()), traffic}
             _, pending = await asyncio.wait(waiters, timeout=self.duration_s,
@@ -681,25 +866,14 @@ class Demo:
                 await traffic
             await self.finish_requests()
         finally:
-            if drawer is not None:
-                drawer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await drawer
-                assert view is not None
-                view.draw(render_view(self.view_state(done=True),
-                                      shutil.get_terminal_size().columns))
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            self.final = self.view_state(done=True)
         return None
 
-    def _print_start(self) -> None:
-        assert self.router is not None and self.listener is not None
-        self.out.write(
-            f"demo: {self.n_engines} simulated vLLM engines -> listener pid {self.listener.pid} "
-            f"(http://127.0.0.1:{self.listener_port}/events/...) -> router "
-            f"(http://127.0.0.1:{self.admin_port}/admin/kv-index/stats)\n")
-        self.out.flush()
-
     def _print_end(self) -> None:
-        state = self.view_state(done=True)
+        state = self.final or self.view_state(done=True)
         for b in state.backends:
             c = b.counters
             self.out.write(f"{b.name}: requests={c.requests} kv_aware={c.kv_aware} "
@@ -721,5 +895,11 @@ def run_demo(duration_s: float | None, engines: int = 2, headless: bool = False)
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     # The view owns the terminal: only errors are logged (to stderr).
     configure_logging("error", "console")
-    live = not headless and sys.stdout.isatty()
+    live = wants_live_view(headless, sys.stdout, os.environ)
     return asyncio.run(Demo(duration_s, engines, live).run())
+
+
+def wants_live_view(headless: bool, out: TextIO, env: Mapping[str, str]) -> bool:
+    """Redrawing in place needs a terminal that understands cursor movement: `--headless`, a
+    pipe, a file or TERM=dumb get plain lines with no escape codes."""
+    return not headless and out.isatty() and env.get("TERM", "") != "dumb"
