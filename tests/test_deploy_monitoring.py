@@ -393,6 +393,7 @@ ALERTS = {
     "ContinuumKvListenerTrackedBlocksNearLimit", "ContinuumKvListenerRetainedTokensNearLimit",
     "ContinuumKvListenerMemoryNearBound", "ContinuumKvListenerEngineDown",
     "ContinuumKvListenerEngineFlapping", "ContinuumKvListenerSourceNotReady",
+    "ContinuumKvListenerNoPublisher",
     "ContinuumKvListenerEventBusDisconnected", "ContinuumKvRouterRedisFallbackActive",
 }
 
