@@ -186,25 +186,36 @@ def run_cli(*args: str) -> tuple[int, list[str]]:
 
 def test_invalid_router_file_exits_2_with_one_line_per_error(tmp_path: Path) -> None:
     bad = tmp_path / "router.yaml"
-    bad.write_text(yaml.safe_dump({
+    doc: dict[str, Any] = {
         "kv_cache_index": {"max_entries": -1,
                            "event_sources": [{"backend_name": "bad name!", "endpoint": "x"}]},
         "admin": {"listen": "nowhere"},
-    }))
+    }
+    # log.format json (the default): each error is a JSON log line, as every other line is.
+    bad.write_text(yaml.safe_dump(doc))
     code, lines = run_cli("router", "--config", str(bad))
     assert code == 2
-    assert all(line.startswith("continuum-kv-listener: error: ") for line in lines), lines
-    text = "\n".join(lines)
+    records = [json.loads(line) for line in lines]
+    assert {r["event"] for r in records} == {"config_invalid"}, lines
+    text = "\n".join(r["detail"] for r in records)
     for path in ("kv_cache_index.max_entries", "kv_cache_index.event_sources[0].backend_name",
                  "admin.listen"):
         assert path in text
-    assert "Traceback" not in text
+    assert "Traceback" not in "\n".join(lines)
+    # log.format console: one plain line per error.
+    bad.write_text(yaml.safe_dump({**doc, "log": {"format": "console"}}))
+    code, lines = run_cli("router", "--config", str(bad))
+    assert code == 2
+    assert all(line.startswith("continuum-kv-listener: error: ") for line in lines), lines
+    assert sum("kv_cache_index.max_entries" in line for line in lines) == 1
     # `config validate` reads the same file the same way.
     code, lines = run_cli("config", "validate", str(bad))
     assert code == 2 and any("admin.listen" in line for line in lines)
 
 
-def test_admin_address_in_use_is_one_line_exit_2(tmp_path: Path) -> None:
+def test_admin_address_in_use_exits_1(tmp_path: Path) -> None:
+    """A busy port is a runtime failure (exit 1: systemd's Restart=on-failure tries again), not
+    a configuration error (2: RestartPreventExitStatus keeps the unit down)."""
     import socket  # noqa: PLC0415
 
     with socket.socket() as taken:
@@ -213,12 +224,13 @@ def test_admin_address_in_use_is_one_line_exit_2(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         config = router_file(tmp_path / "router.yaml", 1, port, ["vllm-1"])
         code, lines = run_cli("router", "--config", str(config))
-    assert code == 2
-    errors = [line for line in lines if line.startswith("continuum-kv-listener: error: ")]
-    assert len(errors) == 1 and errors[0] == lines[-1], lines
-    assert errors[0].startswith(
-        f"continuum-kv-listener: error: admin.listen: cannot bind 127.0.0.1:{port}"), lines
+    assert code == 1
+    failed = [json.loads(line) for line in lines if '"start_failed"' in line]
+    assert len(failed) == 1, lines
+    assert failed[0]["detail"].startswith(f"admin.listen: cannot bind 127.0.0.1:{port}"), lines
+    assert failed[0]["exit_code"] == 1
     assert "Traceback" not in "\n".join(lines)
+    assert all(json.loads(line) for line in lines)  # nothing but JSON lines
 
 
 def test_the_example_file_validates() -> None:

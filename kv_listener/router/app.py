@@ -34,6 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from kv_listener.config import ConfigError
+from kv_listener.errors import bind_error
 from kv_listener.httpserver import RunningServer, serve
 from kv_listener.logging import apply_config_logging, get_logger
 from kv_listener.metrics import add_process_collectors
@@ -125,9 +126,10 @@ class Router:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Build and start everything. Raises ConfigError (one message per problem, with its
-        YAML path) when an address cannot be bound or a certificate cannot be loaded; whatever
-        was started by then is stopped again."""
+        """Build and start everything. Raises StartError when an address is busy or not (yet)
+        on this host, ConfigError when it can never be bound or a certificate cannot be loaded
+        (one message per problem, with its YAML path); whatever was started by then is stopped
+        again."""
         cfg = self.config
         kv = cfg.kv_cache_index
         try:
@@ -141,9 +143,10 @@ class Router:
                     await self.bus.start()
                 except (OSError, ssl.SSLError, ValueError) as exc:
                     self.bus = None
-                    raise ConfigError([f"dynamo.event_bus: cannot start the event bus on "
-                                       f"{cfg.event_bus.listen_host}:{cfg.event_bus.listen_port}: "
-                                       f"{_reason(exc)}"]) from None
+                    message = (f"dynamo.event_bus: cannot start the event bus on "
+                               f"{cfg.event_bus.listen_host}:{cfg.event_bus.listen_port}: "
+                               f"{_reason(exc)}")
+                    raise bind_error(message, exc) from None
                 open_stream = self.bus.open_announced_stream
             self.consumers = KvEventConsumerManager(
                 kv.event_sources, index_applier(self.index), open_announced_stream=open_stream,
@@ -153,8 +156,8 @@ class Router:
                 self.admin_server = await serve(self._admin_app, cfg.admin.listen_host,
                                                 cfg.admin.listen_port)
             except OSError as exc:
-                raise ConfigError([f"admin.listen: cannot bind {cfg.admin.listen_host}:"
-                                   f"{cfg.admin.listen_port}: {_reason(exc)}"]) from None
+                raise bind_error(f"admin.listen: cannot bind {cfg.admin.listen_host}:"
+                                 f"{cfg.admin.listen_port}: {_reason(exc)}", exc) from None
             if kv.enabled:
                 self.consumers.start()
             if isinstance(self.index, RedisKvIndex):
@@ -300,7 +303,7 @@ def _reason(exc: BaseException) -> str:
 
 def run_router(config_path: str | Path) -> int:
     """`continuum-kv-listener router --config PATH`. Raises ConfigError (the CLI prints each
-    error on its own line and exits 2); returns 0 after a clean stop."""
+    error on its own line and exits 2) or StartError (exit 1); returns 0 after a clean stop."""
     config = load_router_config(config_path)
     apply_config_logging(config.log.level, config.log.format, config.warnings)
     asyncio.run(Router(config, config_path).run())
