@@ -7,6 +7,7 @@ One event name per line (`zmq_gap`, `source_restarted`, ...) with key-value cont
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -81,9 +82,22 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
     root.addHandler(handler)
     root.setLevel(_LEVELS[level] if level == "debug" else logging.WARNING)
     logging.captureWarnings(True)
+    # transformers logs through its own stderr handler in its own format ("[transformers] ...")
+    # and, at import, advises installing PyTorch, which a tokenizer-only process never needs.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    adopt_transformers_logging()
     sys.excepthook = _log_uncaught
     threading.excepthook = _log_uncaught_in_thread
     sys.unraisablehook = _log_unraisable
+
+
+def adopt_transformers_logging() -> None:
+    """Once `transformers` is imported: its records go through the root handler (JSON) instead
+    of its own plain-text one. Called by `configure_logging` and right after each import."""
+    tf_logging = sys.modules.get("transformers.utils.logging")
+    if tf_logging is not None:
+        tf_logging.disable_default_handler()
+        tf_logging.enable_propagation()
 
 
 def _log_uncaught(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:

@@ -21,7 +21,7 @@ import yaml
 import zmq
 import zmq.asyncio
 
-from tests.conftest import free_port
+from tests.conftest import FIXTURES, free_port
 from tests.support.daemon import Daemon
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,10 +103,12 @@ def test_a_config_error_is_exit_2_in_the_file_s_format(tmp_path: Path) -> None:
 
 async def test_every_line_is_json_at_debug_level(tmp_path: Path) -> None:
     """uvicorn, asyncio and zmq.auth log through stdlib logging: at debug level they wrote plain
-    `DEBUG name: text` lines next to the JSON ones."""
+    `DEBUG name: text` lines next to the JSON ones; transformers (a local tokenizer) its own
+    `[transformers] ...` line."""
     zport = free_port()
     cfg = {"listen": f"127.0.0.1:{free_port()}", "log": {"level": "debug", "format": "json"},
-           "sources": [vllm_source("vllm-1", zport)]}
+           "sources": [vllm_source("vllm-1", zport,
+                                   tokenizer=str(FIXTURES / "tokenizers" / "chatml"))]}
     ctx = zmq.asyncio.Context()
     pub = ctx.socket(zmq.PUB)
     pub.linger = 0

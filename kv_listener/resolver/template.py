@@ -48,6 +48,7 @@ import structlog
 
 from kv_listener.core.model import ResolveStatus
 from kv_listener.core.prefix import DEFAULT_MAX_PREFIX_LENGTH
+from kv_listener.logging import adopt_transformers_logging
 
 log = structlog.get_logger(__name__)
 
@@ -338,6 +339,8 @@ def _bare_tokenizer(special_tokens: Mapping[str, str] | None) -> Any:
     Unknown special tokens render as a placeholder that matches any short text."""
     from tokenizers import Tokenizer, models  # noqa: PLC0415 - see _lazy_transformers
     from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - see _lazy_transformers
+
+    adopt_transformers_logging()
 
     unk = "[UNK]"
     tok = Tokenizer(models.WordLevel({unk: 0}, unk_token=unk))
@@ -652,6 +655,8 @@ DEMO_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "data" / "demo-tok
 def load_tokenizer(path: str | Path) -> Any:
     """A local tokenizer directory through `AutoTokenizer` (files only: never the Hub)."""
     from transformers import AutoTokenizer  # noqa: PLC0415 - see _lazy_transformers
+
+    adopt_transformers_logging()
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
