@@ -39,9 +39,9 @@ decision time; for a proxy, its TTFT minus the engine's own, over the same for r
 which goes to the engine directly). Output: a table on stdout, a
 JSON file (`--json`), PNG plots (`--plots DIR`, needs matplotlib: `pip install -e '.[bench]'`).
 
-Run: python bench/cluster.py [--engines 4] [--requests 240] [--json FILE] [--plots DIR]
-                             [--workloads chat,...] [--strategies ...] [--no-peers]
-                             [--no-sweep] [--pool 0.5]
+Run: .venv/bin/python bench/cluster.py [--engines 4] [--requests 240] [--json FILE]
+                                  [--plots DIR] [--workloads chat,...] [--strategies ...]
+                                  [--no-peers] [--no-sweep] [--pool 0.5]
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ from cluster_report import (
     write_plots,
 )
 from cluster_workloads import MODEL, WORKLOADS, Req
+from quiet import quiet_libraries
 
 from kv_listener.router.chwbl import HashRing
 from tests.conftest import free_port
@@ -615,5 +616,6 @@ def replot(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     parsed = parse_args()
     sys.exit(replot(parsed) if parsed.plot_from else asyncio.run(main(parsed)))

@@ -1,6 +1,6 @@
 """Decoder throughput: decoded blocks per second next to the bare parse of the same frames.
 
-    /work/venv/bin/python bench/decode.py [--seconds 1.0] [--blocks 4] [--events 4] [--tokens 16]
+    .venv/bin/python bench/decode.py [--seconds 1.0] [--blocks 4] [--events 4] [--tokens 16]
 
 Frames are realistic: each event stores `--blocks` chained blocks of `--tokens` tokens (random
 ids below 152k, random 64-bit hashes), `--events` events per batch, encoded by
@@ -19,6 +19,7 @@ from array import array
 from collections.abc import Callable
 
 import msgpack
+from quiet import quiet_libraries
 
 from kv_listener.core.decode import TrtllmRecord, decode_trtllm_events, decode_zmq_payload
 from kv_listener.core.model import BlockStored, Engine
@@ -128,4 +129,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     main()

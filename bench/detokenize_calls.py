@@ -15,7 +15,7 @@ real `Tracker` and the real `ChainResolver`, which calls a real `/detokenize` HT
 Every resolved key is checked against the router-side key of the request (`request_prefix_key`):
 a wrong key would be counted in `wrong_keys`.
 
-Run: python bench/detokenize_calls.py [--requests N]
+Run: .venv/bin/python bench/detokenize_calls.py [--requests N]
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from quiet import quiet_libraries
 
 from kv_listener.config import Limits
 from kv_listener.core.model import (
@@ -114,4 +116,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     asyncio.run(main())

@@ -1,7 +1,7 @@
 """End-to-end figures of the running daemon: ZMQ publish -> `python -m kv_listener` -> SSE receipt.
 Prints figures; asserts nothing.
 
-    /work/venv/bin/python bench/e2e.py [--duration 10] [--rate 5000] [--step-ms 10] [--window 4000]
+    .venv/bin/python bench/e2e.py [--duration 10] [--rate 5000] [--step-ms 10] [--window 4000]
 
 The real daemon runs as a subprocess (config in a temp dir, free ports, one vLLM source with salt
 verification, no detokenize); in this process a `SimPublisher` (vLLM 0.33 map encoding) plays the
@@ -45,6 +45,8 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from quiet import quiet_libraries
 
 from kv_listener.core.model import BlockRemoved, BlockStored, KvEvent
 from kv_listener.core.salt import issue_cache_salt
@@ -274,6 +276,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per phase")
     ap.add_argument("--rate", type=float, default=5000.0, help="blocks/s of phase (b)")

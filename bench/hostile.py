@@ -17,13 +17,13 @@ per-source bound the man page states (max_tracked_blocks x 550 B at worst + max_
 32 MiB + one frame being received, 2 x max_message_bytes, + its decoded form, at most 8 x
 max_message_bytes). Not a test: figures, measured in one run.
 
-Run: python bench/hostile.py
+Run: .venv/bin/python bench/hostile.py
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import os
 import sys
 import tempfile
 from array import array
@@ -35,6 +35,8 @@ import msgpack
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from quiet import quiet_libraries
 
 from kv_listener.core.model import BlockStored
 from kv_listener.sim.encode import encode_vllm_batch
@@ -181,5 +183,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # No options, but `--help` must say what this does instead of running it.
+    argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0]).parse_args()
+    quiet_libraries()
     asyncio.run(main())

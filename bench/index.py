@@ -1,6 +1,6 @@
 """Benchmark of the router's KV index and scorer. Prints figures; asserts nothing.
 
-    /work/venv/bin/python bench/index.py [--prefixes 20000] [--backends 4]
+    .venv/bin/python bench/index.py [--prefixes 20000] [--backends 4]
 
 - query latency p50/p99 of `InMemoryKvIndex` and `RedisKvIndex` (a real redis-server started on
   a free port for the run), apply latency, and memory bytes per (prefix, backend) entry;
@@ -29,6 +29,8 @@ from pathlib import Path
 import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from quiet import quiet_libraries
 
 from kv_listener.router.config import KvCacheIndexConfig, RedisConfig, StorageOffloadingConfig
 from kv_listener.router.index import IndexEvent, InMemoryKvIndex, KvIndex, PrefixEventType
@@ -147,8 +149,9 @@ async def concurrent_selects(index: KvIndex, sample: list[str], backends: list[s
 
 
 async def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prefixes", type=int, default=20000)
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--prefixes", type=int, default=20000,
+                    help="at least 1000: the scorer figures sample 1,000 of them (20000)")
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--queries", type=int, default=20000)
     args = ap.parse_args()
@@ -204,4 +207,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     asyncio.run(main())

@@ -14,7 +14,7 @@ two phases' p99 and max.
 The issue measured 3-7 s of delay before batches were decoded in a worker thread and applied in
 pieces. Not a test: figures from one run on this machine.
 
-Run: python bench/isolation.py [--records 300]
+Run: .venv/bin/python bench/isolation.py [--records 300]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from quiet import quiet_libraries
 
 from kv_listener.core.model import BlockStored
 from kv_listener.core.prefix import prefix_hash, prefix_key
@@ -172,6 +174,7 @@ async def main(records: int) -> None:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=300)
     args = parser.parse_args()

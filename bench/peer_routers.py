@@ -8,7 +8,7 @@ SIGKILL after a bound) with the process always reaped, cancellation included.
     ensure_installed(name)                  -> PeerInstall | str (a one-line reason)
     async with run_router(install, policy, workers, model=...) as router: ...
     await send_request(http, router, model=..., text=... or token_ids=..., prefix_key=...) -> Reply
-    python bench/peer_routers.py            # self-check against throwaway fake engines
+    .venv/bin/python bench/peer_routers.py  # self-check against throwaway fake engines
 
 Facts measured here (2026-12-01, 2 cores, CPython 3.11, aiohttp fake engines on 127.0.0.1):
 
@@ -90,6 +90,7 @@ the whole benchmark under one, and a second flock on it from a child would deadl
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -112,6 +113,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from quiet import quiet_libraries
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_DIR = ROOT / ".venv-peers"
@@ -934,4 +936,7 @@ def _selfcheck() -> int:
 
 
 if __name__ == "__main__":
+    # No options, but `--help` must say what this does instead of starting the peers.
+    argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]).parse_args()
+    quiet_libraries()
     sys.exit(_selfcheck())

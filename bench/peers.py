@@ -91,6 +91,7 @@ from peers_workloads import (
     memory_chunks,
     salted_chains,
 )
+from quiet import quiet_libraries
 
 from kv_listener.config import Limits
 from kv_listener.core.decode import DecodedBatch, decode_zmq_payload
@@ -518,4 +519,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     sys.exit(main())

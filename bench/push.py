@@ -1,6 +1,6 @@
 """Benchmark of push mode next to pull mode. Prints figures; asserts nothing.
 
-    /work/venv/bin/python bench/push.py [--records 100000] [--batch 100] [--repeat 3]
+    .venv/bin/python bench/push.py [--records 100000] [--batch 100] [--repeat 3]
 
 The same records of one backend's stream (the listener's `StreamHub`, real encoder) travel:
 - push: `BusClient` -> TLS HTTP/2 (h2 over asyncio) -> `EventBusServer` (hypercorn) -> the
@@ -35,6 +35,8 @@ import aiohttp
 import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from quiet import quiet_libraries
 
 from kv_listener.core.bus_protocol import token_hash
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
@@ -180,4 +182,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     main()

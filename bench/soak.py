@@ -57,6 +57,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from quiet import quiet_libraries
+
 from kv_listener.demo import (
     CONNECT_TIMEOUT_S,
     ENGINE_BLOCKS,
@@ -574,4 +576,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     sys.exit(main())

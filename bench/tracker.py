@@ -1,6 +1,6 @@
 """Tracker figures: memory per block and per retained token, throughput, resolve requests.
 
-    /work/venv/bin/python bench/tracker.py [--users N] [--quick]
+    .venv/bin/python bench/tracker.py [--users N] [--quick]
 
 Prints:
 - bytes per tracked block (tokens excluded) and per retained token, measured with tracemalloc
@@ -26,6 +26,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
+
+from quiet import quiet_libraries
 
 from kv_listener.config import Limits
 from kv_listener.core.model import (
@@ -292,4 +294,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    quiet_libraries()
     main()
