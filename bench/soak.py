@@ -78,9 +78,16 @@ from kv_listener.demo import (
 )
 from kv_listener.logging import configure_logging
 from kv_listener.resolver.template import DEMO_TOKENIZER_DIR, load_tokenizer
-from kv_listener.sim.detokenize_server import DetokenizeServer, tokenizer_info
+from kv_listener.sim.detokenize_server import tokenizer_info
 from kv_listener.sim.engine import SimEngine, Timing
-from kv_listener.sim.workload import SYSTEM_PROMPTS, ChatRequest, ChatWorkload, SystemPrompt
+from kv_listener.sim.server import EngineServer
+from kv_listener.sim.workload import (
+    DEMO_MODEL,
+    SYSTEM_PROMPTS,
+    ChatRequest,
+    ChatWorkload,
+    SystemPrompt,
+)
 
 #: After the traffic: how long the router's index may take to equal the listener's live prefixes.
 CONVERGE_TIMEOUT_S = 20.0
@@ -216,7 +223,7 @@ class Soak:
         self.lookup_errors = 0
         self.request_errors = 0
         self.first_error: str | None = None
-        self.detokenizer: DetokenizeServer | None = None
+        self.servers: dict[str, EngineServer] = {}
         self.listener: ListenerProcess | None = None
         self.router: RouterProcess | None = None
         self.listener_url = ""
@@ -233,19 +240,20 @@ class Soak:
 
     async def setup(self, tmp: Path) -> None:
         tokenizer = await asyncio.to_thread(load_tokenizer, DEMO_TOKENIZER_DIR)
-        self.detokenizer = await DetokenizeServer(
-            tokenizer, info=tokenizer_info(DEMO_TOKENIZER_DIR)).start()
+        info = tokenizer_info(DEMO_TOKENIZER_DIR)
         listener_port, admin_port, *zmq_ports = free_ports(2 + len(self.names))
         timing = Timing()
         for i, (name, port) in enumerate(zip(self.names, zmq_ports, strict=True)):
             engine = SimEngine(name, tokenizer, num_blocks=ENGINE_BLOCKS, timing=timing,
                                endpoint=f"tcp://127.0.0.1:{port}", mode="connect", seed=SEED + i)
             self.engines[name] = engine
-            await engine.start()
+            # The demo's engine server: /detokenize, /tokenizer_info and /health beside the
+            # engine (it starts and closes the engine); requests still go to the engine in process.
+            self.servers[name] = await EngineServer(engine, model=DEMO_MODEL,
+                                                    tokenizer_info=info).start()
         path = tmp / "listener.yaml"
         path.write_text(yaml.safe_dump(listener_config(
-            listener_port, list(self.engines.values()), self.detokenizer.url,
-            str(DEMO_TOKENIZER_DIR))))
+            listener_port, list(self.servers.values()), str(DEMO_TOKENIZER_DIR))))
         self.listener = ListenerProcess(path)
         await self.listener.start(LISTENER_START_TIMEOUT_S)
         self.listener_url = f"http://127.0.0.1:{listener_port}"
@@ -285,10 +293,8 @@ class Soak:
                 problems.append(f"the {what} exited with status {code}: {child.last_error()}")
         if self.http is not None:
             await self.http.close()
-        for engine in self.engines.values():
-            await engine.close()
-        if self.detokenizer is not None:
-            await self.detokenizer.close()
+        for server in self.servers.values():
+            await server.close()
         return problems
 
     async def get_json(self, url: str) -> Any:

@@ -96,7 +96,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--engines", metavar="N", type=_engines, default=2,
                       help=f"simulated engines, {MIN_ENGINES}..{MAX_ENGINES} (default 2)")
     demo.add_argument("--headless", action="store_true",
-                      help="no live view; print only the summary (also when stdout is not a TTY)")
+                      help="no live view: plain progress lines, the figures per backend and the "
+                           "summary line (also when stdout is not a TTY)")
     return p
 
 
