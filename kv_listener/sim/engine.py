@@ -15,6 +15,10 @@ block_pool.py` and `kv_cache_manager.py`, 0.10 .. 0.33), reduced to what produce
   (`BlockRemoved`, medium `GPU`). Newly full blocks are cached at once (so concurrent requests
   share them) and announced in one `BlockStored` per step (parent hash, their tokens,
   block size, medium `GPU`).
+- A request may carry a `cache_salt` (vLLM >= 0.9's request field): it is hashed into the
+  chain's first block (so a salted prompt shares no block with the same unsalted prompt) and
+  announced on the chain's root `BlockStored` (the model's `cache_salt`; on vLLM's wire it moves
+  to the root block's `extra_keys`, see `SimEngine`).
 - Decoding appends output tokens; blocks that fill up are cached and announced the same way (the
   last sampled token has no KV yet, so it never fills a block).
 - A finished request frees its blocks in reverse order onto the free queue's tail: a request's
@@ -39,12 +43,14 @@ import random
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import msgspec
+
 from kv_listener.core.model import MEDIUM_GPU, BlockRemoved, BlockStored, KvEvent
-from kv_listener.sim.encode import encode_vllm_batch
+from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
 
 #: vLLM's default block size (tokens per KV block).
@@ -54,11 +60,20 @@ DEFAULT_BLOCK_SIZE = 16
 NONE_HASH = hashlib.sha256(b"continuum-kv-listener sim NONE_HASH").digest()
 #: vLLM release whose wire layout the engine publishes (map-encoded events).
 WIRE_VERSION = "0.33"
+#: The ZMQ engines' current release layouts (SGLang 0.5.22+: map-encoded, `cache_salt` field).
+WIRE_VERSIONS = {"vllm": WIRE_VERSION, "sglang": "0.5.23"}
+
+ZmqWire = Literal["vllm", "sglang"]
+#: Takes the events of one engine step instead of the ZMQ publisher (a TRT-LLM engine's queue).
+EventSink = Callable[[list[KvEvent]], None]
 
 
-def block_digest(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """The chained hash of one full block: sha256(parent digest ++ token IDs as u32 LE)."""
-    return hashlib.sha256(parent + array("I", tokens).tobytes()).digest()
+def block_digest(parent: bytes, tokens: Sequence[int], salt: str | None = None) -> bytes:
+    """The chained hash of one full block: sha256(parent digest ++ token IDs as u32 LE), with
+    the request's cache salt appended for a chain's first block (vLLM hashes it in as an extra
+    key of block 0 only)."""
+    extra = b"" if salt is None else b"\x00salt\x00" + salt.encode("utf-8")
+    return hashlib.sha256(parent + array("I", tokens).tobytes() + extra).digest()
 
 
 def wire_hash(digest: bytes) -> int:
@@ -67,12 +82,13 @@ def wire_hash(digest: bytes) -> int:
 
 
 def chain_digests(tokens: Sequence[int], block_size: int, *, start: int = 0,
-                  parent: bytes = NONE_HASH) -> list[bytes]:
+                  parent: bytes = NONE_HASH, salt: str | None = None) -> list[bytes]:
     """Digests of the full blocks of `tokens` from block index `start` on; `parent` is the digest
-    of block `start - 1` (NONE_HASH for the first block)."""
+    of block `start - 1` (NONE_HASH for the first block); `salt` goes into block 0's digest."""
     out: list[bytes] = []
     for i in range(start, len(tokens) // block_size):
-        parent = block_digest(parent, tokens[i * block_size:(i + 1) * block_size])
+        parent = block_digest(parent, tokens[i * block_size:(i + 1) * block_size],
+                              salt if i == 0 else None)
         out.append(parent)
     return out
 
@@ -181,10 +197,12 @@ class BlockPool:
         return out
 
     def cache_full_blocks(self, blocks: Sequence[KvBlock], digests: Sequence[bytes],
-                          parent: bytes | None, tokens: Sequence[int]) -> None:
+                          parent: bytes | None, tokens: Sequence[int],
+                          cache_salt: str | None = None) -> None:
         """Cache `blocks` (newly full, in chain order) under `digests` and announce them in one
         BlockStored; `parent` is the digest of the block before the first (None: chain root),
-        `tokens` their tokens (len(blocks) * block_size)."""
+        `tokens` their tokens (len(blocks) * block_size). `cache_salt` is announced on a root
+        event only (engines echo it on the chain's first block)."""
         assert len(blocks) == len(digests) and len(tokens) == len(blocks) * self.block_size
         hashes: list[int] = []
         kept_tokens = array("I")
@@ -202,7 +220,8 @@ class BlockPool:
             self._events.append(BlockStored(
                 block_hashes=tuple(hashes),
                 parent_hash=wire_hash(parent) if parent is not None else None,
-                token_ids=kept_tokens, block_size=self.block_size, medium=MEDIUM_GPU))
+                token_ids=kept_tokens, block_size=self.block_size, medium=MEDIUM_GPU,
+                cache_salt=cache_salt if parent is None else None))
             self._stored += len(hashes)
 
     def free(self, blocks: Sequence[KvBlock]) -> None:
@@ -237,11 +256,11 @@ class ServeResult:
 
 
 class RunningRequest:
-    __slots__ = ("blocks", "decoded", "digests", "hit_tokens", "prompt_len", "request_id",
-                 "tokens")
+    __slots__ = ("blocks", "cache_salt", "decoded", "digests", "hit_tokens", "prompt_len",
+                 "request_id", "tokens")
 
     def __init__(self, request_id: int, tokens: array[int], blocks: list[KvBlock],
-                 digests: list[bytes], hit_tokens: int) -> None:
+                 digests: list[bytes], hit_tokens: int, cache_salt: str | None = None) -> None:
         self.request_id = request_id
         self.tokens = tokens
         self.prompt_len = len(tokens)
@@ -249,6 +268,7 @@ class RunningRequest:
         self.digests = digests  # digests of the request's cached (full) blocks, in order
         self.hit_tokens = hit_tokens
         self.decoded = 0  # output tokens appended so far
+        self.cache_salt = cache_salt
 
 
 class EngineCore:
@@ -265,14 +285,14 @@ class EngineCore:
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
-    def admit(self, prompt: Sequence[int]) -> RunningRequest:
+    def admit(self, prompt: Sequence[int], cache_salt: str | None = None) -> RunningRequest:
         """Look up the prompt's cached prefix, allocate the rest, cache its full blocks.
         Raises NoFreeBlocksError (nothing changed) when the pool cannot hold it now."""
         if not prompt:
             raise ValueError("empty prompt")
         bs = self.block_size
         tokens = array("I", prompt)
-        digests = chain_digests(tokens, bs)
+        digests = chain_digests(tokens, bs, salt=cache_salt)
         # vLLM: the last prompt token is always computed, so a whole-prompt hit is cut by a block.
         hits = self.pool.lookup(digests[: (len(tokens) - 1) // bs])
         needed = self._blocks_for(len(tokens)) - len(hits)
@@ -286,8 +306,9 @@ class EngineCore:
         start = len(hits)
         self.pool.cache_full_blocks(blocks[start:n_full], digests[start:n_full],
                                     digests[start - 1] if start else None,
-                                    tokens[start * bs:n_full * bs])
-        req = RunningRequest(next(self._ids), tokens, blocks, digests, len(hits) * bs)
+                                    tokens[start * bs:n_full * bs], cache_salt)
+        req = RunningRequest(next(self._ids), tokens, blocks, digests, len(hits) * bs,
+                             cache_salt)
         self.requests += 1
         self.prompt_tokens += len(tokens)
         self.hit_tokens += req.hit_tokens
@@ -315,9 +336,11 @@ class EngineCore:
         if computed // bs > start:
             parent = req.digests[-1] if req.digests else None
             more = chain_digests(req.tokens[:computed], bs, start=start,
-                                 parent=parent if parent is not None else NONE_HASH)
+                                 parent=parent if parent is not None else NONE_HASH,
+                                 salt=req.cache_salt)
             self.pool.cache_full_blocks(req.blocks[start:start + len(more)], more, parent,
-                                        req.tokens[start * bs:(start + len(more)) * bs])
+                                        req.tokens[start * bs:(start + len(more)) * bs],
+                                        req.cache_salt)
             req.digests.extend(more)
         return done
 
@@ -343,6 +366,16 @@ class EngineCore:
 
 
 # --- the engine process of the demo ------------------------------------------------------------
+
+
+def _vllm_salted(event: KvEvent) -> KvEvent:
+    """vLLM (>= 0.17, §2.6) carries a request's cache salt in the root block's `extra_keys`
+    entry, not in a field of its own."""
+    if not isinstance(event, BlockStored) or event.cache_salt is None:
+        return event
+    rest = (None,) * (len(event.block_hashes) - 1)
+    return msgspec.structs.replace(event, cache_salt=None,
+                                   extra_keys=((event.cache_salt,), *rest))
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> array[int]:
@@ -377,6 +410,9 @@ class SimEngine:
     `endpoint` defaults to an ephemeral port the engine binds (read `endpoint` back after
     `start()`); with `mode="connect"` the engine connects to a listener that bound it (vLLM's
     `tcp://host:port` form). The replay ROUTER always binds, by default on an ephemeral port.
+    `topic` is the first frame of every message. `wire="sglang"` publishes SGLang's layout
+    instead (`wire_version` picks a release; default the current one of `WIRE_VERSIONS`). With a
+    `sink` the steps' events go there instead and no socket is opened (a TRT-LLM engine).
     `generate()` runs a request with simulated time and at most `max_num_seqs` at once;
     `serve()` runs one synchronously.
     """
@@ -391,6 +427,10 @@ class SimEngine:
         endpoint: str = "tcp://127.0.0.1:0",
         mode: Literal["bind", "connect"] = "bind",
         replay_endpoint: str | None = "tcp://127.0.0.1:0",
+        topic: str = "",
+        wire: ZmqWire = "vllm",
+        wire_version: str | None = None,
+        sink: EventSink | None = None,
         max_num_seqs: int = 16,
         timing: Timing | None = None,
         seed: int = 0,
@@ -398,7 +438,11 @@ class SimEngine:
         self.name = name
         self.tokenizer = tokenizer
         self.core = EngineCore(num_blocks, block_size)
-        self.publisher = SimPublisher(endpoint, mode=mode, replay_endpoint=replay_endpoint)
+        self.publisher = SimPublisher(endpoint, mode=mode, replay_endpoint=replay_endpoint,
+                                      topic=topic)
+        self.wire: ZmqWire = wire
+        self.wire_version = wire_version or WIRE_VERSIONS[wire]
+        self.sink = sink
         self.timing = timing or Timing()
         self.max_num_seqs = max_num_seqs
         self.running = 0
@@ -417,7 +461,8 @@ class SimEngine:
         return self.publisher.replay_endpoint
 
     async def start(self) -> SimEngine:
-        await self.publisher.start()
+        if self.sink is None:
+            await self.publisher.start()
         return self
 
     async def close(self) -> None:
@@ -442,7 +487,15 @@ class SimEngine:
         if not events:
             return None
         self.batches += 1
-        return self.publisher.publish(encode_vllm_batch(events, ts=time.time(), version=WIRE_VERSION))
+        if self.sink is not None:
+            self.sink(events)
+            return None
+        if self.wire == "sglang":
+            payload = encode_sglang_batch(events, ts=time.time(), version=self.wire_version)
+        else:
+            payload = encode_vllm_batch([_vllm_salted(e) for e in events], ts=time.time(),
+                                        version=self.wire_version)
+        return self.publisher.publish(payload)
 
     def serve(self, messages: Sequence[Mapping[str, Any]], output_tokens: int = 0) -> ServeResult:
         """Run one request at once (no simulated time); publishes its events."""

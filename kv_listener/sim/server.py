@@ -37,13 +37,14 @@ would not share their sequence slots).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
 import uuid
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -207,6 +208,17 @@ def parse_sampling(body: Mapping[str, Any], default_max_tokens: int) -> tuple[in
     return int(max_tokens), stream
 
 
+def parse_cache_salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's `cache_salt` request field (>= 0.9, both routes): absent, or a non-empty string
+    that the engine hashes into the prompt's first block and echoes in its KV events."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise RequestError(400, "Parameter 'cache_salt' must be a non-empty string if provided.")
+    return salt
+
+
 def parse_messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
     """Chat messages with string contents; text parts are joined with "\\n" as vLLM's "string"
     content format does."""
@@ -288,11 +300,13 @@ def _prom_label(value: str) -> str:
 
 
 class _Waiter:
-    __slots__ = ("future", "prompt")
+    __slots__ = ("cache_salt", "future", "prompt")
 
-    def __init__(self, prompt: array[int], future: asyncio.Future[RunningRequest]) -> None:
+    def __init__(self, prompt: array[int], future: asyncio.Future[RunningRequest],
+                 cache_salt: str | None) -> None:
         self.prompt = prompt
         self.future = future
+        self.cache_salt = cache_salt
 
 
 class EngineServer:
@@ -305,13 +319,16 @@ class EngineServer:
     `tokenizer_info` the `/tokenizer_info` body (None: 404, as vLLM without the flag);
     `max_model_len` the context limit (default and maximum: the pool's tokens, so an admissible
     request always fits once the pool is idle); `default_max_tokens` when a request gives none.
+    `serve_http=False` runs the engine for in-process requests only (`chat()`), with no socket;
+    `health_path` serves the health probe at another path as well.
     """
 
     def __init__(self, engine: SimEngine, *, model: str = DEMO_MODEL,
                  timing: ServiceTiming | None = None,
                  tokenizer_info: Mapping[str, Any] | None = None,
                  max_model_len: int | None = None, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+                 host: str = "127.0.0.1", port: int = 0, serve_http: bool = True,
+                 health_path: str = "/health") -> None:
         pool_tokens = engine.core.pool.num_blocks * engine.core.block_size
         if max_model_len is not None and not 1 <= max_model_len <= pool_tokens:
             raise ValueError(f"max_model_len must be in 1..{pool_tokens} (the pool's tokens)")
@@ -325,6 +342,8 @@ class EngineServer:
         self.default_max_tokens = default_max_tokens
         self.host = host
         self.port = port
+        self.serve_http = serve_http
+        self.health_path = health_path
         self.stats = ServerStats()
         self.num_running = 0
         self.generated_tokens = 0  # output tokens of every step, aborted requests' included
@@ -334,6 +353,7 @@ class EngineServer:
         self._inflight: set[asyncio.Task[Any]] = set()
         self._rendered: OrderedDict[str, array[int]] = OrderedDict()
         self._runner: web.AppRunner | None = None
+        self._started = False
 
     @property
     def url(self) -> str:
@@ -355,6 +375,12 @@ class EngineServer:
 
     async def start(self) -> EngineServer:
         await self.engine.start()
+        self._started = True
+        if self.serve_http:
+            await self._start_http()
+        return self
+
+    async def _start_http(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/chat/completions/render", self._chat_render)
@@ -369,6 +395,8 @@ class EngineServer:
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_get("/tokenizer_info", self._tokenizer_info)
+        if self.health_path != "/health":
+            app.router.add_get(self.health_path, self._health)
         # vLLM aborts a request whose client disconnected (`with_cancellation`): aiohttp cancels
         # the handler, which frees the request's blocks and its sequence slot.
         runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
@@ -380,12 +408,12 @@ class EngineServer:
         except BaseException:
             await runner.cleanup()
             await self.engine.close()
+            self._started = False
             raise
         self._runner = runner
         self.port = int(runner.addresses[0][1])
         log.info("engine_server_listening", engine=self.engine.name, model=self.model,
                  host=self.host, port=self.port, zmq_endpoint=self.engine.endpoint)
-        return self
 
     async def close(self) -> None:
         """Abort what still runs (its records say "abort"), stop serving, close the engine."""
@@ -397,6 +425,8 @@ class EngineServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._started:
+            self._started = False
             await self.engine.close()
 
     async def __aenter__(self) -> EngineServer:
@@ -433,7 +463,7 @@ class EngineServer:
                 self._waiting.popleft()
                 continue
             try:
-                req = self.engine.core.admit(head.prompt)
+                req = self.engine.core.admit(head.prompt, head.cache_salt)
             except NoFreeBlocksError:
                 break
             self._waiting.popleft()
@@ -445,8 +475,8 @@ class EngineServer:
         if admitted:
             self._changed()
 
-    async def _admit(self, prompt: array[int]) -> RunningRequest:
-        waiter = _Waiter(prompt, asyncio.get_running_loop().create_future())
+    async def _admit(self, prompt: array[int], cache_salt: str | None) -> RunningRequest:
+        waiter = _Waiter(prompt, asyncio.get_running_loop().create_future(), cache_salt)
         self._waiting.append(waiter)
         self._schedule()
         self._changed()
@@ -479,7 +509,8 @@ class EngineServer:
     # --- one request ------------------------------------------------------------------------
 
     async def _run(self, request_id: str, kind: Kind, stream: bool, prompt: array[int],
-                   max_tokens: int, arrived_at: float, emit: Emit) -> RequestRecord:
+                   max_tokens: int, arrived_at: float, emit: Emit,
+                   cache_salt: str | None = None) -> RequestRecord:
         """Queue, prefill, decode; `emit` gets the first token when prefill is done, then the
         tokens of each decode wake-up. Always leaves a record, and frees what it held."""
         loop = asyncio.get_running_loop()
@@ -488,7 +519,7 @@ class EngineServer:
         emitted = 0
         finish_reason = "abort"
         try:
-            req = await self._admit(prompt)
+            req = await self._admit(prompt, cache_salt)
             admitted_at = loop.time()
             await asyncio.sleep(self.timing.prefill_s(req.prompt_len - req.hit_tokens))
             output = self.engine.sample_output(max_tokens)
@@ -555,41 +586,73 @@ class EngineServer:
             stats.cached_tokens += record.cached_tokens
             stats.completion_tokens += record.completion_tokens
 
-    async def _serve(self, request: web.Request, kind: Kind, body: Mapping[str, Any],
-                     prompt: array[int], arrived_at: float) -> web.StreamResponse:
-        max_tokens, stream = parse_sampling(body, self.default_max_tokens)
+    def _check_length(self, prompt: array[int], max_tokens: int) -> None:
         if len(prompt) + max_tokens > self.max_model_len:
             raise RequestError(400, (
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
                 f"{max_tokens} in the completion)."))
+
+    @contextlib.contextmanager
+    def _tracked(self) -> Iterator[None]:
+        """The calling task runs a request: `close()` aborts it."""
         task = asyncio.current_task()
         assert task is not None
         self._inflight.add(task)
-        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         try:
+            yield
+        finally:
+            self._inflight.discard(task)
+
+    async def _complete(self, request_id: str, kind: Kind, prompt: array[int], max_tokens: int,
+                        arrived_at: float, cache_salt: str | None
+                        ) -> tuple[RequestRecord, list[int]]:
+        """A request run to its end, nobody watching its tokens: its record and output."""
+        tokens: list[int] = []
+
+        async def collect(chunk: Sequence[int], _: str | None) -> None:
+            tokens.extend(chunk)
+
+        rec = await self._run(request_id, kind, False, prompt, max_tokens, arrived_at, collect,
+                              cache_salt)
+        return rec, tokens
+
+    async def chat(self, messages: Sequence[Mapping[str, Any]], *, max_tokens: int,
+                   cache_salt: str | None = None) -> tuple[RequestRecord, str]:
+        """One chat request in process, queued, prefilled and decoded exactly as a
+        non-streamed `POST /v1/chat/completions` (a driver without HTTP: `simulate`). Returns
+        its record and the answer's text; raises `RequestError` for what the route answers
+        400."""
+        arrived_at = asyncio.get_running_loop().time()
+        prompt = await self._render(parse_messages({"messages": list(messages)}))
+        self._check_length(prompt, max_tokens)
+        with self._tracked():
+            rec, tokens = await self._complete("chatcmpl-" + uuid.uuid4().hex, "chat", prompt,
+                                               max_tokens, arrived_at, cache_salt)
+        return rec, self._text(tokens)
+
+    async def _serve(self, request: web.Request, kind: Kind, body: Mapping[str, Any],
+                     prompt: array[int], arrived_at: float) -> web.StreamResponse:
+        max_tokens, stream = parse_sampling(body, self.default_max_tokens)
+        cache_salt = parse_cache_salt(body)
+        self._check_length(prompt, max_tokens)
+        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        with self._tracked():
             if stream:
                 return await self._stream(request, request_id, kind, prompt, max_tokens,
-                                          arrived_at)
-            tokens: list[int] = []
-
-            async def collect(chunk: Sequence[int], _: str | None) -> None:
-                tokens.extend(chunk)
-
-            rec = await self._run(request_id, kind, False, prompt, max_tokens, arrived_at,
-                                  collect)
+                                          arrived_at, cache_salt)
+            rec, tokens = await self._complete(request_id, kind, prompt, max_tokens, arrived_at,
+                                               cache_salt)
             return web.json_response({
                 "id": request_id, "object": "chat.completion" if kind == "chat"
                 else "text_completion", "created": int(time.time()), "model": self.model,
                 "choices": [_choice(kind, self._text(tokens), rec.finish_reason, delta=False)],
                 "usage": usage(rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens),
                 "x_sim": self._sim_fields(rec)}, headers=self._headers())
-        finally:
-            self._inflight.discard(task)
 
     async def _stream(self, request: web.Request, request_id: str, kind: Kind,
-                      prompt: array[int], max_tokens: int, arrived_at: float
-                      ) -> web.StreamResponse:
+                      prompt: array[int], max_tokens: int, arrived_at: float,
+                      cache_salt: str | None) -> web.StreamResponse:
         # Headers go out at once (vLLM's StreamingResponse); the first data chunk at prefill end.
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **self._headers()})
@@ -612,7 +675,8 @@ class EngineServer:
             await resp.write(out)
 
         try:
-            rec = await self._run(request_id, kind, True, prompt, max_tokens, arrived_at, emit)
+            rec = await self._run(request_id, kind, True, prompt, max_tokens, arrived_at, emit,
+                                  cache_salt)
             # The usage chunk OpenAI sends for `stream_options.include_usage`: always here.
             await resp.write(_sse({**head, "choices": [], "usage": usage(
                 rec.prompt_tokens, rec.cached_tokens, rec.completion_tokens),

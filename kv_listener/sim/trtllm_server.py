@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from kv_listener.core.decode import TrtllmRecord
-from kv_listener.core.model import KvEvent
+from kv_listener.core.model import BlockRemoved, BlockStored, KvEvent
 from kv_listener.sim.encode import encode_trtllm_events
 
 PATH = "/kv_cache_events"
@@ -73,6 +73,27 @@ class SimTrtllmServer:
         self._queue.extend(json.loads(body))
         self._emitted.set()
         return event_id
+
+    def publish(self, events: Sequence[KvEvent]) -> None:
+        """Queue one step of a simulated block pool (`sim.engine`: multi-block `BlockStored`,
+        `BlockRemoved` with medium GPU) as TRT-LLM reports it: one `stored` record per chain
+        run, each block its own single-hash entry (the salt on the root block only), and one
+        `removed` record per eviction, without a medium (cache level 0 is implied)."""
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                bs = ev.block_size
+                chain: list[KvEvent] = []
+                parent = ev.parent_hash
+                for i, h in enumerate(ev.block_hashes):
+                    chain.append(BlockStored(
+                        (h,), parent, ev.token_ids[i * bs:(i + 1) * bs], bs,
+                        cache_salt=ev.cache_salt if i == 0 and parent is None else None))
+                    parent = h
+                self.emit(*chain)
+            elif isinstance(ev, BlockRemoved):
+                self.emit(BlockRemoved(ev.block_hashes))
+            else:
+                self.emit(ev)
 
     def emit_raw(self, record: Any) -> None:
         """Queue any JSON value as one element of the next answer (malformed records)."""
@@ -142,13 +163,14 @@ class SimTrtllmServer:
                 self.polls += 1
                 self._polled.notify_all()
 
-    def app(self) -> web.Application:
+    def app(self, path: str = PATH) -> web.Application:
         app = web.Application()
-        app.router.add_post(PATH, self._handle)
+        app.router.add_post(path, self._handle)
         return app
 
-    async def serve(self, host: str = "127.0.0.1", port: int = 0) -> RunningServer:
-        runner = web.AppRunner(self.app(), handle_signals=False)
+    async def serve(self, host: str = "127.0.0.1", port: int = 0,
+                    path: str = PATH) -> RunningServer:
+        runner = web.AppRunner(self.app(path), handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
         try:
@@ -158,7 +180,7 @@ class SimTrtllmServer:
             raise
         bound = runner.addresses[0][1]
         self._closing.clear()
-        return RunningServer(runner, f"http://{host}:{bound}{PATH}", self._closing)
+        return RunningServer(runner, f"http://{host}:{bound}{path}", self._closing)
 
 
 class RunningServer:

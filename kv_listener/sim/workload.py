@@ -8,13 +8,19 @@ Prompts are picked by a skewed popularity, as real fleets see a few hot assistan
 Each request carries its prefix key computed the router's way (`kv_listener.prefix.
 request_prefix_key` on the body, SPEC §2), so the demo can show which prompt a prefix hash is.
 Everything comes from one seeded `random.Random`: the same seed gives the same requests.
+
+`ChatSessions` makes the same requests multi-turn (`simulate`): a user comes back to an open
+conversation with a follow-up that carries the whole history, so each turn's prompt extends the
+previous one's (its KV blocks are a prefix hit, as far as the answer re-tokenizes alike).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kv_listener.prefix import DEFAULT_MAX_PREFIX_LENGTH, prefix_hash, request_prefix_key
@@ -189,3 +195,97 @@ class ChatWorkload:
     def __iter__(self) -> Iterator[ChatRequest]:
         while True:
             yield self.next()
+
+
+_FOLLOW_UPS = (
+    "Thanks! Can you say that again in two sentences?",
+    "Could you give me a concrete example?",
+    "Why is that? Please explain the reasoning.",
+    "What should I do first, and what can wait?",
+    "And what changes if there are {n} of them?",
+    "Can you check point {n} of your answer once more?",
+    "고마워요. 조금 더 쉽게 설명해 줄 수 있어요?",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTurn:
+    """One turn of a conversation: `turn` 1 opens it; `request.body` holds the whole history."""
+
+    conversation: int
+    turn: int
+    request: ChatRequest
+
+
+@dataclass(slots=True)
+class _Conversation:
+    opening: ChatRequest
+    messages: list[dict[str, str]]
+    turns: int = 1
+    pending: ChatTurn | None = field(default=None)
+
+
+class ChatSessions:
+    """Multi-turn chat over `ChatWorkload`'s prompts and users. `next()` gives the next turn: a
+    follow-up of an idle open conversation (probability `follow_up`) or a new conversation;
+    the caller reports `answered(turn, text)` (the turn's answer joins the history and the
+    conversation is idle again, until its `max_turns`) or `failed(turn)` (it is dropped). At most
+    `max_open` conversations stay open: beyond that the one idle the longest is forgotten, as a
+    user who left. A conversation never has two turns in flight."""
+
+    def __init__(self, *, seed: int = 0, model: str = DEMO_MODEL,
+                 max_prefix_length: int = DEFAULT_MAX_PREFIX_LENGTH, max_turns: int = 6,
+                 follow_up: float = 0.6, max_open: int = 64) -> None:
+        if max_turns < 1 or max_open < 1 or not 0.0 <= follow_up <= 1.0:
+            raise ValueError("max_turns and max_open must be >= 1, follow_up in [0, 1]")
+        self.opening = ChatWorkload(seed=seed, model=model, max_prefix_length=max_prefix_length)
+        self.max_turns = max_turns
+        self.follow_up = follow_up
+        self.max_open = max_open
+        self._rng = random.Random(seed + 1)  # noqa: S311 - a reproducible workload
+        self._idle: OrderedDict[int, _Conversation] = OrderedDict()  # idle the longest first
+        self._busy: dict[int, _Conversation] = {}
+        self._ids = itertools.count(1)
+        self._index = itertools.count()
+
+    @property
+    def open_conversations(self) -> int:
+        return len(self._idle) + len(self._busy)
+
+    def next(self) -> ChatTurn:
+        rng = self._rng
+        if self._idle and rng.random() < self.follow_up:
+            conv_id = rng.choice(list(self._idle))
+            conv = self._idle.pop(conv_id)
+            question = rng.choice(_FOLLOW_UPS).format(n=rng.randint(2, 9))
+            conv.messages.append({"role": "user", "content": question})
+            conv.turns += 1
+            lo, hi = self.opening.output_tokens
+            # The key is the system prompt's (SPEC §2): the same on every turn.
+            request = replace(conv.opening, index=next(self._index),
+                              body={**conv.opening.body, "messages": list(conv.messages)},
+                              output_tokens=rng.randint(lo, hi))
+        else:
+            first = self.opening.next()
+            conv_id = next(self._ids)
+            conv = _Conversation(first, [dict(m) for m in first.messages])
+            request = replace(first, index=next(self._index))
+        turn = ChatTurn(conv_id, conv.turns, request)
+        conv.pending = turn
+        self._busy[conv_id] = conv
+        return turn
+
+    def answered(self, turn: ChatTurn, text: str) -> None:
+        conv = self._busy.pop(turn.conversation, None)
+        if conv is None or conv.pending is not turn:
+            return
+        conv.pending = None
+        conv.messages.append({"role": "assistant", "content": text})
+        if conv.turns >= self.max_turns:
+            return
+        self._idle[turn.conversation] = conv
+        while len(self._idle) > self.max_open:
+            self._idle.popitem(last=False)
+
+    def failed(self, turn: ChatTurn) -> None:
+        self._busy.pop(turn.conversation, None)
