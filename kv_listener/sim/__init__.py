@@ -6,4 +6,5 @@
 - `engine`, `workload`, `detokenize_server`: the demo's block pool, chat workload and
   `/detokenize` endpoint;
 - `server`: one `SimEngine` behind vLLM's OpenAI HTTP routes and probes, with a service-time model.
+- `plan`: a listener file read from the engines' side, for `simulate`.
 """
