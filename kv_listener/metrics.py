@@ -23,6 +23,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kv_listener import __version__
+from kv_listener.core.decode import DropReason
+from kv_listener.core.model import ClearReason
+from kv_listener.core.sequence import SourceDropReason
+from kv_listener.resolver.detokenize import DetokenizeErrorReason
+from kv_listener.sources.trtllm import PollErrorReason
 from kv_listener.stats import SourceStats
 
 PREFIX = "continuum_kv_listener_"
@@ -76,6 +81,21 @@ _SOURCE_REASON_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("poll_errors", "Failed TRT-LLM polls, by reason.", "poll_errors"),
     ("detokenize_errors", "Failed detokenize calls, by reason.", "detokenize_errors"),
 )
+
+
+def _known_reasons(attr: str, engine: str) -> tuple[str, ...]:
+    """The reason label values a source of `engine` can count under `attr` (fixed sets)."""
+    if attr == "clears":
+        return tuple(r.value for r in ClearReason)
+    if attr == "detokenize_errors":
+        return () if engine == "trtllm" else tuple(r.value for r in DetokenizeErrorReason)
+    if attr == "poll_errors":
+        return tuple(r.value for r in PollErrorReason) if engine == "trtllm" else ()
+    if attr == "events_dropped":
+        return tuple(r.value for r in DropReason) + tuple(r.value for r in SourceDropReason)
+    return ()
+
+
 _TRACKER_GAUGES: tuple[tuple[str, str], ...] = (
     ("blocks_tracked", "Block records held by the tracker."),
     ("tokens_retained", "Token IDs retained for detokenization (4 bytes each)."),
@@ -134,7 +154,11 @@ class ListenerCollector(Collector):
         for name, doc, attr in _SOURCE_REASON_COUNTERS:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["backend", "reason"])
             for v in views:
-                for reason, n in sorted(getattr(v.stats, attr).items()):
+                # Every reason of the source's kind shows from the start at 0, so `increase()`
+                # sees the first one (a series born at 1 has no earlier sample to rise from).
+                by_reason = dict.fromkeys(_known_reasons(attr, v.stats.engine), 0)
+                by_reason.update(getattr(v.stats, attr))
+                for reason, n in sorted(by_reason.items()):
                     c.add_metric([v.backend, str(reason)], float(n))
             yield c
 

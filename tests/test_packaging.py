@@ -69,6 +69,11 @@ def test_metrics_have_prefix_and_fixed_labels() -> None:
     assert 'continuum_kv_listener_events_received_total{backend="vllm-1"} 7.0' in text
     assert 'continuum_kv_listener_events_dropped_total{backend="vllm-1",reason="unknown_tag"} 2.0' in text
     assert 'continuum_kv_listener_source_clears_total{backend="vllm-1",reason="gap"} 1.0' in text
+    # Reasons not seen yet are there at 0, so an alert's increase() sees their first step.
+    assert 'continuum_kv_listener_source_clears_total{backend="vllm-1",reason="engine_down"} 0.0' in text
+    assert 'continuum_kv_listener_events_dropped_total{backend="vllm-1",reason="queue_overflow"} 0.0' in text
+    assert 'continuum_kv_listener_detokenize_errors_total{backend="vllm-1",reason="timeout"} 0.0' in text
+    assert "continuum_kv_listener_poll_errors_total{" not in text  # a vLLM source never polls
     assert 'continuum_kv_listener_blocks_tracked{backend="vllm-1"} 5.0' in text
     assert 'continuum_kv_listener_sse_clients{backend="vllm-1"} 2.0' in text
     assert 'continuum_kv_listener_records_total{backend="vllm-1",event="cache_created"} 3.0' in text

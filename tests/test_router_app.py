@@ -324,6 +324,10 @@ def test_metrics_allow_list_follows_a_reload() -> None:
     assert connected("vllm-2") == 1
     dropped = "continuum_kv_event_dropped_total"
     assert registry.get_sample_value(dropped, {"backend": "other", "reason": "malformed_json"}) == 1
+    # every reason of a configured backend exists from the start, at 0 (increase() sees a first drop)
+    for reason in EventDropReason:
+        if reason is not EventDropReason.MALFORMED_JSON:
+            assert registry.get_sample_value(dropped, {"backend": "vllm-2", "reason": reason}) == 0
     assert registry.get_sample_value(dropped, {"backend": "vllm-2", "reason": "malformed_json"}) == 1
 
 

@@ -103,6 +103,7 @@ class RouterMetrics:
         # must fire for a consumer that never connected, not be absent).
         for b in sorted(self.backends):
             self.consumer_connected.labels(backend=b).set(0)
+            self._zero_drops(b)
         for d in Decision:
             for t in TierLabel:
                 if d is Decision.FALLBACK and t is not TierLabel.NONE:
@@ -120,7 +121,14 @@ class RouterMetrics:
                 self.consumer_connected.remove(b)
         for b in sorted(new - self.backends):
             self.consumer_connected.labels(backend=b).set(0)
+            self._zero_drops(b)
         self.backends = new
+
+    def _zero_drops(self, backend: str) -> None:
+        # Every drop series exists from the start at 0, so `increase()` sees the first drop
+        # (a series born at 1 has no earlier sample to rise from).
+        for reason in EventDropReason:
+            self.event_dropped.labels(backend=backend, reason=reason.value)
 
     def _backend(self, backend: str) -> str:
         return backend if backend in self.backends else OTHER_BACKEND
