@@ -177,6 +177,42 @@ async def test_router_process_indexes_a_listener_stream_reloads_and_stops_with_0
         hub.close()
 
 
+async def test_a_sighup_storm_ends_on_the_last_file(tmp_path: Path) -> None:
+    """A SIGHUP that arrives while a reload runs is not dropped: the file may have changed
+    after that reload read it, and the last SIGHUP must win."""
+    hub = new_hub("vllm-1", "vllm-2", "vllm-3")
+    sse = await serve(create_app(hub, NoSources()), "127.0.0.1", 0)
+    admin_port = free_port()
+    config = router_file(tmp_path / "router.yaml", sse.port, admin_port, ["vllm-1"])
+    try:
+        async with router_process(config) as router, aiohttp.ClientSession() as http:
+            await router.event("router_started")
+            for i in range(30):
+                router_file(config, sse.port, admin_port,
+                            ["vllm-1", "vllm-2"] if i % 2 else ["vllm-1"])
+                router.proc.send_signal(signal.SIGHUP)
+            router_file(config, sse.port, admin_port, ["vllm-1", "vllm-3"])
+            router.proc.send_signal(signal.SIGHUP)
+
+            async def on_last_file() -> bool:
+                _, body = await get_json(http, f"http://127.0.0.1:{admin_port}/admin/kv-index/backends")
+                return sorted(b["backend_name"] for b in body["backends"]
+                              if b["configured"]) == ["vllm-1", "vllm-3"]
+
+            await eventually(on_last_file, timeout_s=30)
+            router.proc.send_signal(signal.SIGTERM)
+            await router.event("router_stopped")
+            assert await asyncio.wait_for(router.proc.wait(), 15) == 0
+        events = [r["event"] for r in router.seen]
+        # Signals that came during a reload were queued, none dropped.
+        assert "config_reload_busy" not in events
+        assert "config_reload_queued" in events
+    finally:
+        await hub.drain(timeout_s=1.0)
+        await sse.stop()
+        hub.close()
+
+
 def run_cli(*args: str) -> tuple[int, list[str]]:
     import subprocess  # noqa: PLC0415
 

@@ -112,6 +112,7 @@ class Router:
         self._index_closed = False
         self._stop = asyncio.Event()
         self._reloading: asyncio.Task[bool] | None = None
+        self._reload_again = False
 
     @staticmethod
     def _backend_names(config: RouterConfig) -> list[str]:
@@ -268,9 +269,20 @@ class Router:
 
     def _on_sighup(self) -> None:
         if self._reloading is not None and not self._reloading.done():
-            log.warning("config_reload_busy")
+            # One more reload once this one is done: the file may have changed after it was
+            # read, and the last SIGHUP must win (it used to be dropped: config_reload_busy).
+            self._reload_again = True
+            log.info("config_reload_queued")
             return
-        self._reloading = asyncio.create_task(self.reload())
+        self._reloading = asyncio.create_task(self._reload_until_settled())
+
+    async def _reload_until_settled(self) -> bool:
+        ok = False
+        while True:
+            self._reload_again = False
+            ok = await self.reload()
+            if not self._reload_again:
+                return ok
 
     # --- the process ---------------------------------------------------------------------------
 
