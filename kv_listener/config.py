@@ -610,6 +610,18 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
     )
 
 
+def is_loopback(host: str) -> bool:
+    """`localhost`, 127.0.0.0/8 or ::1 (brackets of an IPv6 URL host allowed); a host name
+    other than localhost is not (it may resolve anywhere)."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def host_allowed(host: str, publishers: tuple[str, ...] | list[str]) -> bool:
     """Is `host` (an IP or a name, as written in a URL) covered by `allowed_publishers`?"""
     try:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import hmac
-import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from kv_listener.config import (
     LogConfig,
     Reader,
     check_url,
+    is_loopback,
     parse_listen,
     read_yaml,
     type_name,
@@ -553,20 +553,11 @@ def _admin(r: Reader, raw: Any) -> AdminConfig:
     except ValueError as exc:
         r.error("admin.listen", str(exc))
         return AdminConfig(auth=auth)
-    if auth is None and not _is_loopback(host):
+    if auth is None and not is_loopback(host):
         r.warn("admin.listen", "is not a loopback address and admin.auth is not set: anyone who "
                                "reaches it can use the admin API (POST /admin/kv-index/clear "
                                "empties the index); set admin.auth.tokens")
     return AdminConfig(listen_host=host, listen_port=port, auth=auth)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def parse_router_config(raw: Any) -> RouterConfig:

@@ -10,13 +10,12 @@ plain http at the URL's address; one owner per address (a second source naming i
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
-from kv_listener.config import ListenerConfig, SourceConfig, host_allowed
+from kv_listener.config import ListenerConfig, SourceConfig, host_allowed, is_loopback
 from kv_listener.core.model import Engine
 from kv_listener.resolver.template import DEMO_TOKENIZER_DIR
 from kv_listener.sim.engine import WIRE_VERSIONS
@@ -85,16 +84,6 @@ class EnginePlan:
             parts.append(f"KV events on POST {self.trtllm.url}")
         version = "" if src.engine is Engine.TRTLLM else f" {WIRE_VERSIONS[src.engine.value]}"
         return f"{self.name} ({src.engine.value}{version}): " + ", ".join(parts or ["nothing"])
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _bind_host(host: str) -> str:
