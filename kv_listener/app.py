@@ -47,6 +47,7 @@ from kv_listener.metrics import BusView, ListenerCollector, SourceView, new_regi
 from kv_listener.outputs.bus_client import BusClient
 from kv_listener.outputs.sse_server import RunningServer, create_app, serve, source_stats_entry
 from kv_listener.outputs.streams import StreamHub
+from kv_listener.reloading import SerialReloader
 from kv_listener.resolver.detokenize import sibling_url
 from kv_listener.resolver.resolver import ChainResolver
 from kv_listener.sources.common import batch_tokens
@@ -326,8 +327,7 @@ class Listener:
             ListenerCollector(self._source_views, self.hub.stream_views, self._bus_view))
         self.server: RunningServer | None = None
         self._stop = asyncio.Event()
-        self._reloading: asyncio.Task[bool] | None = None
-        self._reload_again = False
+        self._reloader = SerialReloader(self.reload, self._stop.is_set, log)
         self._salt_secret: bytes | None = None
 
     # --- ListenerStatus for the HTTP app ------------------------------------------------------
@@ -467,26 +467,6 @@ class Listener:
                  added=added, removed=removed, restarted=changed)
         return True
 
-    def _on_sighup(self) -> None:
-        if self._stop.is_set():
-            log.info("config_reload_ignored", reason="stopping")
-            return
-        if self._reloading is not None and not self._reloading.done():
-            # One more reload once this one is done: the file may have changed after it was
-            # read, and the last SIGHUP must win.
-            self._reload_again = True
-            log.info("config_reload_queued")
-            return
-        self._reloading = asyncio.create_task(self._reload_until_settled())
-
-    async def _reload_until_settled(self) -> bool:
-        ok = False
-        while True:
-            self._reload_again = False
-            ok = await self.reload()
-            if not self._reload_again or self._stop.is_set():
-                return ok
-
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self._salt_secret = read_secret(self.config.cache_salt.secret_file,
@@ -495,7 +475,7 @@ class Listener:
         # must not kill the process half-way (it only re-requests the stop already under way).
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        loop.add_signal_handler(signal.SIGHUP, self._reloader.request)
         try:
             await self._serve_until_stopped()
         finally:
@@ -545,10 +525,7 @@ class Listener:
             if results[0] is False:
                 log.warning("drain_deadline_passed")
         finally:
-            if self._reloading is not None:
-                self._reloading.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._reloading
+            await self._reloader.cancel()
             await self._stop_bus()
             await self.server.stop()
             for name in list(self.runtimes):

@@ -38,6 +38,7 @@ from kv_listener.errors import bind_error
 from kv_listener.httpserver import RunningServer, serve
 from kv_listener.logging import apply_config_logging, get_logger
 from kv_listener.metrics import add_process_collectors
+from kv_listener.reloading import SerialReloader
 from kv_listener.router.admin import create_admin_app
 from kv_listener.router.bus_server import EventBusServer
 from kv_listener.router.config import RouterConfig, load_router_config
@@ -111,8 +112,7 @@ class Router:
         self._resync: asyncio.Task[list[str]] | None = None
         self._index_closed = False
         self._stop = asyncio.Event()
-        self._reloading: asyncio.Task[bool] | None = None
-        self._reload_again = False
+        self._reloader = SerialReloader(self.reload, self._stop.is_set, log)
 
     @staticmethod
     def _backend_names(config: RouterConfig) -> list[str]:
@@ -267,23 +267,6 @@ class Router:
                  restarted=list(result.restarted) if result else [])
         return True
 
-    def _on_sighup(self) -> None:
-        if self._reloading is not None and not self._reloading.done():
-            # One more reload once this one is done: the file may have changed after it was
-            # read, and the last SIGHUP must win (it used to be dropped: config_reload_busy).
-            self._reload_again = True
-            log.info("config_reload_queued")
-            return
-        self._reloading = asyncio.create_task(self._reload_until_settled())
-
-    async def _reload_until_settled(self) -> bool:
-        ok = False
-        while True:
-            self._reload_again = False
-            ok = await self.reload()
-            if not self._reload_again:
-                return ok
-
     # --- the process ---------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -292,17 +275,14 @@ class Router:
         await self.start()
         loop.add_signal_handler(signal.SIGTERM, self.request_stop)
         loop.add_signal_handler(signal.SIGINT, self.request_stop)
-        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        loop.add_signal_handler(signal.SIGHUP, self._reloader.request)
         try:
             await self._stop.wait()
             log.info("router_stopping")
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
-            if self._reloading is not None:
-                self._reloading.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._reloading
+            await self._reloader.cancel()
             await self.stop()
         log.info("router_stopped")
 
