@@ -83,17 +83,18 @@ _SOURCE_REASON_COUNTERS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+_CLEAR_REASONS = tuple(r.value for r in ClearReason)
+_DETOKENIZE_REASONS = tuple(r.value for r in DetokenizeErrorReason)
+_POLL_REASONS = tuple(r.value for r in PollErrorReason)
+_DROP_REASONS = tuple(r.value for r in DropReason) + tuple(r.value for r in SourceDropReason)
+
+
 def _known_reasons(attr: str, engine: str) -> tuple[str, ...]:
     """The reason label values a source of `engine` can count under `attr` (fixed sets)."""
-    if attr == "clears":
-        return tuple(r.value for r in ClearReason)
-    if attr == "detokenize_errors":
-        return () if engine == "trtllm" else tuple(r.value for r in DetokenizeErrorReason)
-    if attr == "poll_errors":
-        return tuple(r.value for r in PollErrorReason) if engine == "trtllm" else ()
-    if attr == "events_dropped":
-        return tuple(r.value for r in DropReason) + tuple(r.value for r in SourceDropReason)
-    return ()
+    trtllm = engine == "trtllm"
+    return {"clears": _CLEAR_REASONS, "events_dropped": _DROP_REASONS,
+            "detokenize_errors": () if trtllm else _DETOKENIZE_REASONS,
+            "poll_errors": _POLL_REASONS if trtllm else ()}.get(attr, ())
 
 
 _TRACKER_GAUGES: tuple[tuple[str, str], ...] = (
