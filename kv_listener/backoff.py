@@ -16,7 +16,7 @@ from collections.abc import Callable
 class Backoff:
     """Exponential delays: `initial_s`, doubling to `max_s`, optionally jittered downwards."""
 
-    __slots__ = ("initial_s", "max_s", "jitter", "failures", "_next", "_rng")
+    __slots__ = ("_next", "_rng", "failures", "initial_s", "jitter", "max_s")
 
     def __init__(self, initial_s: float, max_s: float, *, jitter: float = 0.0,
                  rng: Callable[[], float] = random.random) -> None:
