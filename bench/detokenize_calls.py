@@ -30,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from quiet import quiet_libraries
 
-from kv_listener.config import Limits
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import (
     Engine,
     EventBatch,

@@ -93,8 +93,8 @@ from peers_workloads import (
 )
 from quiet import quiet_libraries
 
-from kv_listener.config import Limits
 from kv_listener.core.decode import DecodedBatch, decode_zmq_payload
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import Engine
 from kv_listener.core.salt import SaltVerifier
 from kv_listener.core.tracker import Tracker

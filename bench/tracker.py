@@ -29,7 +29,7 @@ from functools import partial
 
 from quiet import quiet_libraries
 
-from kv_listener.config import Limits
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import (
     BlockRemoved,
     BlockStored,

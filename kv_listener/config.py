@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from kv_listener.core.decode import DEFAULT_MAX_EVENT_HASHES, DEFAULT_MAX_EVENT_TOKENS
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import Engine
 
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -81,19 +81,6 @@ class _StrictLoader(yaml.SafeLoader):
                                         f"line {mark.line + 1}, column {mark.column + 1}: duplicate"
                                         f" key {key!r} (first at line {seen.line + 1}); remove one"))
         return super().construct_mapping(node, deep=deep)
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_chain_tokens: int = 16384
-    max_tracked_blocks: int = 100000
-    max_retained_tokens: int = 16777216
-    #: A ZMQ batch payload above this is dropped on receipt and counted (message_too_large).
-    max_message_bytes: int = 8 << 20
-    #: An event with more token IDs or block hashes than this is dropped and counted; an array
-    #: over twice as long makes the whole message undecodable (nothing that big is built).
-    max_event_tokens: int = DEFAULT_MAX_EVENT_TOKENS
-    max_event_hashes: int = DEFAULT_MAX_EVENT_HASHES
 
 
 @dataclass(frozen=True, slots=True)

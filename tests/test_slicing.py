@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_listener.app import SourceRuntime
-from kv_listener.config import Limits, parse_config
+from kv_listener.config import parse_config
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import BlockRemoved, BlockStored, Engine, EventBatch, KvEvent
 from kv_listener.core.prefix import prefix_key
 from kv_listener.core.salt import issue_cache_salt, verify_cache_salt

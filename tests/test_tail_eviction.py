@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kv_listener.config import Limits
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import (
     BlockRemoved,
     BlockStored,

@@ -17,7 +17,7 @@ from functools import partial
 
 import pytest
 
-from kv_listener.config import Limits
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import (
     AllBlocksCleared,
     BlockRemoved,

@@ -28,7 +28,7 @@ from functools import partial
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kv_listener.config import Limits
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import (
     AllBlocksCleared,
     BlockRemoved,

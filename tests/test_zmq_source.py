@@ -12,7 +12,8 @@ import pytest
 import zmq
 from structlog.testing import capture_logs
 
-from kv_listener.config import Limits, SourceConfig
+from kv_listener.config import SourceConfig
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import (
     BlockRemoved,
     BlockStored,

@@ -91,8 +91,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Final, NamedTuple
 
-from kv_listener.config import Limits
 from kv_listener.core.decode import vllm_salt_candidates
+from kv_listener.core.limits import Limits
 from kv_listener.core.model import (
     MEDIUM_GPU,
     AllBlocksCleared,

@@ -1,0 +1,25 @@
+"""The bounds of one source's pipeline (the `limits:` block of a source in the config file).
+
+They live in the core, with the decoder and the tracker that enforce them, so that the core
+imports no configuration module: `kv_listener.config` reads and validates them from YAML and
+hands this frozen value over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kv_listener.core.decode import DEFAULT_MAX_EVENT_HASHES, DEFAULT_MAX_EVENT_TOKENS
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_chain_tokens: int = 16384
+    max_tracked_blocks: int = 100000
+    max_retained_tokens: int = 16777216
+    #: A ZMQ batch payload above this is dropped on receipt and counted (message_too_large).
+    max_message_bytes: int = 8 << 20
+    #: An event with more token IDs or block hashes than this is dropped and counted; an array
+    #: over twice as long makes the whole message undecodable (nothing that big is built).
+    max_event_tokens: int = DEFAULT_MAX_EVENT_TOKENS
+    max_event_hashes: int = DEFAULT_MAX_EVENT_HASHES
