@@ -1,0 +1,379 @@
+"""The block records of one source's tracker and their bounds (part of `core.tracker`).
+
+Records are not objects: a record is a slot number, its fields live in typed columns (`array`,
+`bytearray`, and a list for the state), found by hash through an open-addressing index of slot
+numbers (hashed with a random multiplier, so that a hostile engine cannot make its hashes
+collide), and the tokens of the records that keep some lie in one token arena (4 bytes per
+token), compacted when half of it is dropped tokens. About 60 bytes per block instead of the ~230
+that a record object, its dict entry and its int objects cost, and nothing per block for the
+cyclic GC to walk (it paused the loop 40-80 ms at 100k records). `bench/tracker.py` prints the
+figures.
+
+Bounds: when `max_tracked_blocks` or `max_retained_tokens` is exceeded, the least recently stored
+records go first (a record is refreshed when stored again or when a child is stored under it, so
+hot shared prefixes outlive cold tails). Attributing a record to a key updates the key's
+aggregates (`core.record_state.KeyAggregate`), and `_flush` turns the keys touched since the last
+flush into `PrefixTransition`s: a prefix is evicted only when its last attributed block goes.
+"""
+
+from __future__ import annotations
+
+import random
+from array import array
+from typing import Final
+
+from kv_listener.core.limits import Limits
+from kv_listener.core.model import MEDIUM_GPU, PrefixTransition, Tier, TransitionKind
+from kv_listener.core.record_state import (
+    FIRST_STORAGE_BIT,
+    GPU_BIT,
+    NO_SLOT,
+    OVERFLOW_BIT,
+    BlockView,
+    Chain,
+    KeyAggregate,
+    State,
+)
+
+_EMPTY: Final = -1  # index position never used
+_GONE: Final = -2  # index position whose record went (tombstone)
+_U64: Final = (1 << 64) - 1
+_MIN_INDEX: Final = 64
+#: Compact the token arena once this many dropped tokens lie in it and they are at least half.
+_ARENA_SLACK: Final = 1 << 16
+
+
+class BlockTable:
+    """Block records in columns, their hash index, token arena, pruning order and bounds; the
+    per-key aggregates of attributed records. The base of `Tracker`; not used alone."""
+
+    _hash: array[int]
+    _par: array[int]
+    _clen: array[int]
+    _state: list[State]
+    _toff: array[int]
+    _tlen: array[int]
+    _older: array[int]
+    _newer: array[int]
+    _free: array[int]
+    _idx: array[int]
+    _arena: array[int]
+    _keys: dict[bytes, KeyAggregate]
+    _touched: dict[KeyAggregate, tuple[bool, int, Tier]]
+
+    def __init__(self, limits: Limits) -> None:
+        self._max_blocks = limits.max_tracked_blocks
+        self._max_tokens = limits.max_retained_tokens
+        # Offsets into the arena: it holds at most about twice the retained tokens.
+        self._offset_code = "I" if limits.max_retained_tokens < (1 << 30) else "Q"
+        self._arena_slack = _ARENA_SLACK
+        self._media_bits: dict[str, int] = {MEDIUM_GPU: GPU_BIT}
+        # Multiplicative hashing with a random odd multiplier: engines' hashes are not chosen
+        # to spread over an index, and a hostile source must not be able to make them collide.
+        self._mult = random.getrandbits(64) | 1
+        self.pruned = 0  # records dropped to honour a bound (monotonic, survives clears)
+
+    def _reset_blocks(self) -> None:
+        """No records, no keys (a clear)."""
+        # record columns, by slot
+        self._hash = array("Q")
+        self._par = array("Q")  # parent hash (meaningful when _haspar[slot])
+        self._haspar = bytearray()
+        self._clen = array("Q")  # chain length in tokens, root..this block
+        self._media = bytearray()  # media bits and TAINT
+        self._state = []
+        self._toff = array(self._offset_code)  # own tokens: arena[toff:toff+tlen]
+        self._tlen = array("I")
+        self._older = array("i")  # pruning order: least recently stored first
+        self._newer = array("i")
+        self._oldest = NO_SLOT
+        self._newest = NO_SLOT
+        self._free = array("i")  # slots of removed records, reused first
+        self._live = 0
+        # index: hash -> slot, open addressing with linear probing
+        self._idx = array("i", [_EMPTY]) * _MIN_INDEX
+        self._mask = _MIN_INDEX - 1
+        self._shift = 64 - (_MIN_INDEX.bit_length() - 1)
+        self._filled = 0  # index positions not _EMPTY (records and tombstones)
+        # tokens of the records that keep some; `_garbage` of them belong to no record any more
+        self._arena = array("I")
+        self._garbage = 0
+        self._tokens = 0  # tokens retained (block segments + resolved chains' copies)
+        self._keys = {}  # interned keys with attributed blocks (or touched)
+        self._touched = {}  # key -> (live, count, tier) before
+
+    def records(self) -> dict[int, BlockView]:
+        """Every record by hash, in pruning order (oldest first): copies, for tests."""
+        out: dict[int, BlockView] = {}
+        r = self._oldest
+        while r != NO_SLOT:
+            out[self._hash[r]] = BlockView(self._parent_of(r), self._clen[r], self._media[r],
+                                           self._state[r], self._tokens_of(r))
+            r = self._newer[r]
+        return out
+
+    def _medium_bit(self, medium: str | None) -> int:
+        if medium is None:
+            return GPU_BIT  # engines before the medium field: GPU
+        bit = self._media_bits.get(medium)
+        if bit is None:
+            n = len(self._media_bits)  # GPU + storage media seen so far
+            bit = FIRST_STORAGE_BIT << (n - 1) if n <= 5 else OVERFLOW_BIT
+            if n <= 5:
+                self._media_bits[medium] = bit
+        return bit
+
+    # --- records: index, columns, token arena ----------------------------------------------
+
+    def _find(self, h: int) -> int:
+        """The slot of the record of hash `h`, or NO_SLOT."""
+        idx = self._idx
+        hashes = self._hash
+        mask = self._mask
+        i = ((h * self._mult) & _U64) >> self._shift
+        while True:
+            s = idx[i]
+            if s >= 0:
+                if hashes[s] == h:
+                    return s
+            elif s == _EMPTY:
+                return NO_SLOT
+            i = (i + 1) & mask
+
+    def _parent_of(self, r: int) -> int | None:
+        return self._par[r] if self._haspar[r] else None
+
+    def _tokens_of(self, r: int) -> array[int]:
+        off = self._toff[r]
+        return self._arena[off:off + self._tlen[r]]
+
+    def _new_block(
+        self, h: int, parent: int | None, chain_len: int, media: int, state: State,
+        tokens: array[int] | None,
+    ) -> int:
+        """Add the record of `h` (not tracked yet) as the newest; returns its slot."""
+        if chain_len > _U64:  # noqa: PLR1730 (no call to min on the hot path)
+            chain_len = _U64  # absurd tokenless block sizes only
+        free = self._free
+        if free:
+            r = free.pop()
+            self._hash[r] = h
+            if parent is None:
+                self._haspar[r] = 0
+            else:
+                self._par[r] = parent
+                self._haspar[r] = 1
+            self._clen[r] = chain_len
+            self._media[r] = media
+        else:
+            r = len(self._hash)
+            self._hash.append(h)
+            self._par.append(0 if parent is None else parent)
+            self._haspar.append(parent is not None)
+            self._clen.append(chain_len)
+            self._media.append(media)
+            self._state.append(None)
+            self._toff.append(0)
+            self._tlen.append(0)
+            self._older.append(NO_SLOT)
+            self._newer.append(NO_SLOT)
+        if tokens:
+            arena = self._arena
+            self._toff[r] = len(arena)
+            self._tlen[r] = n = len(tokens)
+            arena.extend(tokens)
+            self._tokens += n
+        self._live += 1
+        # link as newest (before indexing it: a rebuild of the index walks this order)
+        newest = self._newest
+        self._older[r] = newest
+        self._newer[r] = NO_SLOT
+        if newest == NO_SLOT:
+            self._oldest = r
+        else:
+            self._newer[newest] = r
+        self._newest = r
+        # index it (the hash is not there: the first free position takes it)
+        idx = self._idx
+        mask = self._mask
+        i = ((h * self._mult) & _U64) >> self._shift
+        while (s := idx[i]) >= 0:
+            i = (i + 1) & mask
+        idx[i] = r
+        if s == _EMPTY:
+            self._filled += 1
+            if self._filled * 4 > 3 * len(idx):
+                self._rebuild_index()
+        if type(state) is KeyAggregate:
+            touched = self._touched
+            if state not in touched:
+                touched[state] = (state.blocks > 0, state.max_len,
+                                  Tier.GPU_HOT if state.gpu else Tier.STORAGE_WARM)
+            self._state[r] = state
+            state.add(chain_len, bool(media & GPU_BIT))
+            if tokens:
+                self._drop_tokens(r)
+        elif type(state) is Chain:
+            self._state[r] = state
+            state.nblocks += 1
+            state.head = h
+        return r
+
+    def _rebuild_index(self) -> None:
+        """A fresh index at most half full (tombstones dropped): the smallest power of two of at
+        least twice the records."""
+        size = _MIN_INDEX
+        while size < 2 * self._live:
+            size <<= 1
+        idx: array[int] = array("i", [_EMPTY]) * size
+        mask = size - 1
+        shift = 64 - (size.bit_length() - 1)
+        mult = self._mult
+        hashes = self._hash
+        r = self._oldest
+        newer = self._newer
+        while r != NO_SLOT:
+            i = ((hashes[r] * mult) & _U64) >> shift
+            while idx[i] != _EMPTY:
+                i = (i + 1) & mask
+            idx[i] = r
+            r = newer[r]
+        self._idx, self._mask, self._shift, self._filled = idx, mask, shift, self._live
+
+    def _drop_tokens(self, r: int) -> None:
+        n = self._tlen[r]
+        if n:
+            self._tokens -= n
+            self._tlen[r] = 0
+            self._garbage += n
+            if self._garbage >= self._arena_slack and 2 * self._garbage >= len(self._arena):
+                self._compact_arena()
+
+    def _compact_arena(self) -> None:
+        """Copy the tokens still held to a new arena (their order: pruning order)."""
+        arena = self._arena
+        new: array[int] = array("I")
+        toff, tlen, newer = self._toff, self._tlen, self._newer
+        r = self._oldest
+        while r != NO_SLOT:
+            n = tlen[r]
+            if n:
+                off = toff[r]
+                toff[r] = len(new)
+                new.extend(arena[off:off + n])
+            r = newer[r]
+        self._arena = new
+        self._garbage = 0
+
+    def _refresh(self, r: int) -> None:
+        if r == self._newest:
+            return
+        older_, newer_ = self._older, self._newer
+        older, newer = older_[r], newer_[r]  # newer is not NO_SLOT: r is not the newest
+        if older == NO_SLOT:
+            self._oldest = newer
+        else:
+            newer_[older] = newer
+        older_[newer] = older
+        newest = self._newest
+        older_[r] = newest
+        newer_[r] = NO_SLOT
+        newer_[newest] = r
+        self._newest = r
+
+    def _enforce_bounds(self) -> None:
+        while self._live > self._max_blocks or self._tokens > self._max_tokens:
+            victim = self._oldest
+            if victim == NO_SLOT:
+                break
+            self._remove(victim)
+            self.pruned += 1
+
+    def _remove(self, r: int) -> None:
+        h = self._hash[r]
+        idx = self._idx
+        mask = self._mask
+        i = ((h * self._mult) & _U64) >> self._shift
+        while idx[i] != r:
+            i = (i + 1) & mask
+        idx[i] = _GONE
+        if self._tlen[r]:
+            self._drop_tokens(r)
+        st = self._state[r]
+        if type(st) is KeyAggregate:
+            touched = self._touched
+            if st not in touched:
+                touched[st] = (st.blocks > 0, st.max_len,
+                               Tier.GPU_HOT if st.gpu else Tier.STORAGE_WARM)
+            st.remove(self._clen[r], bool(self._media[r] & GPU_BIT))
+        elif type(st) is Chain:
+            self._chain_lost_block(st, r)
+        # unlink from the pruning order, give the slot back
+        older, newer = self._older[r], self._newer[r]
+        if older == NO_SLOT:
+            self._oldest = newer
+        else:
+            self._newer[older] = newer
+        if newer == NO_SLOT:
+            self._newest = older
+        else:
+            self._older[newer] = older
+        self._state[r] = None
+        self._free.append(r)
+        self._live -= 1
+
+    def _chain_lost_block(self, ch: Chain, r: int) -> None:
+        """Record `r` (state `ch`) was removed or pruned, or attributed: `core.chains` decides."""
+        raise NotImplementedError
+
+    # --- per-key aggregates and transitions -----------------------------------------------
+
+    def _intern(self, key: bytes) -> KeyAggregate:
+        k = self._keys.get(key)
+        if k is None:
+            k = self._keys[key] = KeyAggregate(key)
+            self._touch_key(k)  # so that a key that never gets a block is dropped at flush
+        return k
+
+    def _touch_key(self, k: KeyAggregate) -> None:
+        if k not in self._touched:
+            self._touched[k] = (k.blocks > 0, k.max_len, Tier.GPU_HOT if k.gpu else Tier.STORAGE_WARM)
+
+    def _flush(self, out: list[PrefixTransition]) -> None:
+        keys = self._keys
+        for k, (was_live, old_len, old_tier) in self._touched.items():
+            if k.blocks:
+                tier = Tier.GPU_HOT if k.gpu else Tier.STORAGE_WARM
+                if not was_live:
+                    out.append(PrefixTransition(TransitionKind.CREATED, k.prefix_hash, k.max_len, tier))
+                elif tier is not old_tier:
+                    out.append(PrefixTransition(TransitionKind.TIER, k.prefix_hash, k.max_len, tier))
+                elif k.max_len != old_len:
+                    out.append(
+                        PrefixTransition(TransitionKind.TOKEN_COUNT, k.prefix_hash, k.max_len, tier)
+                    )
+            else:
+                if was_live:
+                    out.append(PrefixTransition(TransitionKind.EVICTED, k.prefix_hash))
+                if keys.get(k.key) is k:
+                    del keys[k.key]
+        self._touched.clear()
+
+    def _attribute(self, r: int, k: KeyAggregate) -> None:
+        """Attribute a record (new or pre-anchor) to `k`; its tokens are no longer needed."""
+        if k not in self._touched:
+            self._touch_key(k)
+        self._state[r] = k
+        k.add(self._clen[r], bool(self._media[r] & GPU_BIT))
+        if self._tlen[r]:
+            self._drop_tokens(r)
+
+    def _set_media(self, r: int, media: int) -> None:
+        old = self._media[r]
+        if old == media:
+            return
+        st = self._state[r]
+        if type(st) is KeyAggregate and (old ^ media) & GPU_BIT:
+            self._touch_key(st)
+            st.gpu += 1 if media & GPU_BIT else -1
+        self._media[r] = media

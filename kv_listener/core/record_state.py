@@ -1,0 +1,210 @@
+"""What a tracked block's state can be, and the per-key aggregates (part of `core.tracker`).
+
+A record's state is a `KeyAggregate` (attributed to a prefix key), a `Chain` (not resolved yet,
+or resolved with blocks shorter than its key-determining length), or None (unattributed). A key's
+aggregate counts its attributed blocks, those in GPU memory and the longest chain, which is all a
+`PrefixTransition` needs; `Ask` is a request handed to the resolver. Pure data: the rules that
+move records between states live in `core.blocks`, `core.chains` and `core.tracker`.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+from collections.abc import Callable
+from typing import Final, NamedTuple
+
+from kv_listener.core.model import Tier
+
+# Media of a record: bit 0 = GPU, bits 1..5 = storage media in the order first seen, bit 6 = any
+# further medium, bit 7 = TAINT (descendants unattributed). Staying below 256 keeps the value a
+# cached small int: no allocation per record.
+GPU_BIT: Final = 0x01
+OVERFLOW_BIT: Final = 0x40
+TAINT: Final = 0x80
+MEDIA_MASK: Final = 0x7F
+FIRST_STORAGE_BIT: Final = 0x02
+
+
+# Chain status
+PENDING: Final = 0
+RESOLVED: Final = 1
+DISCARDED: Final = 2
+DEAD: Final = 3  # every block of a pending chain went before it was settled
+
+# What the last answer for a chain was
+LAST_NONE: Final = 0
+LAST_PENDING: Final = 1
+LAST_FAILED: Final = 2
+
+
+#: No record (slot numbers are >= 0).
+NO_SLOT: Final = -1
+
+
+class UnattributedReason(enum.StrEnum):
+    """Why a chain was discarded (never gets a key). Values are metric labels."""
+
+    SALT_REJECTED = "salt_rejected"  # salt failed verification (forged, other backend)
+    NO_SALT = "no_salt"  # no valid salt and nothing can detokenize (trtllm without tokenizer)
+    RESOLVER = "resolver"  # the resolver answered UNATTRIBUTED (not a chat prompt, ...)
+    TOO_LONG = "too_long"  # still pending at max_chain_tokens
+    TOKENS_UNAVAILABLE = "tokens_unavailable"  # an ancestor went (pruned/evicted) before resolution
+    ORPHAN = "orphan"  # stored under a parent the tracker does not know
+    TOKEN_COUNT_MISMATCH = "token_count_mismatch"  # tokens did not fit the block size
+
+
+class TrackerNotice(enum.StrEnum):
+    """Conditions the edge should log once per source (`take_notices`)."""
+
+    TOKEN_COUNT_MISMATCH = "token_count_mismatch"
+    GROUP_SKIPPED = "group_skipped"
+    SALT_REJECTED = "salt_rejected"
+
+
+SaltVerifier = Callable[[str], bytes | None]
+
+
+class KeyAggregate:
+    """An interned prefix key and the aggregates of its attributed blocks.
+
+    `lengths` counts the attributed blocks per chain length, so that `max_len` is known again
+    when the longest goes; it stays None while every block has the same length (a salted
+    single-block chain, the first block of any key), which saves a dict per such key."""
+
+    __slots__ = ("blocks", "gpu", "key", "lengths", "max_len", "prefix_hash")
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+        self.prefix_hash = key.hex()
+        self.blocks = 0  # attributed blocks retained
+        self.gpu = 0  # ... of which in GPU memory
+        self.lengths: dict[int, int] | None = None  # chain length -> attributed blocks with it
+        self.max_len = 0
+
+    def tier(self) -> Tier:
+        return Tier.GPU_HOT if self.gpu else Tier.STORAGE_WARM
+
+    def add(self, chain_len: int, gpu: bool) -> None:
+        if gpu:
+            self.gpu += 1
+        lengths = self.lengths
+        if lengths is None:
+            if not self.blocks or chain_len == self.max_len:
+                self.blocks += 1
+                self.max_len = chain_len
+                return
+            lengths = self.lengths = {self.max_len: self.blocks}
+        self.blocks += 1
+        lengths[chain_len] = lengths.get(chain_len, 0) + 1
+        if chain_len > self.max_len:  # noqa: PLR1730 (no call to max on the hot path)
+            self.max_len = chain_len
+
+    def remove(self, chain_len: int, gpu: bool) -> None:
+        self.blocks -= 1
+        if gpu:
+            self.gpu -= 1
+        lengths = self.lengths
+        if lengths is None:  # every block had max_len
+            if not self.blocks:
+                self.max_len = 0
+            return
+        left = lengths[chain_len] - 1
+        if left:
+            lengths[chain_len] = left
+            return
+        del lengths[chain_len]
+        if chain_len == self.max_len:
+            # O(distinct lengths of this key), only when its longest block goes.
+            self.max_len = max(lengths) if lengths else 0
+
+
+class Chain:
+    """A path of blocks resolved together.
+
+    Pending: every block on the path from its first block to `head` has this chain as state and
+    keeps its tokens. Resolved: the blocks shorter than `d` (pre-anchor) keep this chain as state
+    and `tokens` holds root..d for comparing and probing later branches; the rest are attributed.
+    """
+
+    __slots__ = (
+        "anchor", "asked_len", "base", "d", "fork_at", "forks", "head", "inflight", "key", "last",
+        "model", "nblocks", "probe_q", "probing", "requested", "status", "tokens", "waiting",
+        "wanted",
+    )
+
+    def __init__(self, model: str, fork_at: int | None = None) -> None:
+        self.model = model
+        self.status = PENDING
+        self.head: int | None = None  # deepest block
+        self.nblocks = 0  # blocks whose state is this chain
+        self.fork_at = fork_at  # the block (of another chain) this one starts under
+        self.forks: list[Chain] = []  # pending chains started under our blocks (while pending)
+        # request bookkeeping
+        self.inflight: int | None = None  # head of the outstanding request
+        self.requested = 0  # tokens sent in the last request
+        self.asked_len = 0  # chain length (capped) when it was sent: a probe sends fewer tokens
+        self.last = LAST_NONE
+        self.wanted = False  # queued for take_resolve_requests
+        self.waiting = False  # waits for the answer of the chain it forked from
+        self.probe_q: int | None = None  # next request asks for root..probe_q only
+        self.probing = False  # the outstanding request is such a probe
+        self.base: Chain | None = None  # resolved chain a probe may tighten
+        # resolution
+        self.key: bytes | None = None
+        self.d = 0  # tokens root..d determine the key
+        self.anchor: int | None = None  # shallowest attributed block of the chain
+        self.tokens: array[int] | None = None  # root..d while pre-anchor blocks exist
+
+    def busy(self) -> bool:
+        return self.inflight is not None or self.wanted or self.waiting
+
+
+State = KeyAggregate | Chain | None  # None: unattributed
+
+
+class Ask:
+    """A request handed to the resolver and not answered yet. It outlives its chain (settled,
+    gone, cleared): the resolver still holds the head and drops another request for it, so the
+    same head is not asked again until this answer arrives (a new chain with the same head, i.e.
+    the same tokens, adopts it when it asks for the same tokens)."""
+
+    __slots__ = ("chain", "n", "probing")
+
+    def __init__(self, chain: Chain, n: int, probing: bool) -> None:
+        self.chain: Chain | None = chain
+        self.n = n
+        self.probing = probing
+
+
+def even_split(total: int, n: int) -> list[int]:
+    q, r = divmod(total, n)
+    return [q] * (n - 1) + [q + r]
+
+
+def common_prefix_len(a: array[int], b: array[int]) -> int:
+    """Length of the common prefix of two token arrays (slice compares run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo]; the first difference is in [lo, hi)
+    while hi - lo > 32:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    for i in range(lo, hi):
+        if a[i] != b[i]:
+            return i
+    return hi
+
+
+class BlockView(NamedTuple):
+    """One record as `Tracker.records()` shows it (tests, debugging): a copy, not the record."""
+
+    parent: int | None
+    chain_len: int
+    media: int
+    state: object
+    tokens: array[int]
