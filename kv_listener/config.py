@@ -1,92 +1,75 @@
 """Typed, frozen configuration of the listener, loaded from YAML (SPEC section 9).
 
-Owns: the key names and their defaults (written once, in the dataclasses below), and validation.
-Every error names its YAML path (`sources[1].zmq_endpoint: ...`) and all errors of a file are
-reported together in one `ConfigError`. Warnings are things that work but are probably not
-what the operator meant.
+Owns: the listener file's key names and their defaults (written once, in the dataclasses below),
+and its validation rules. Every error names its YAML path (`sources[1].zmq_endpoint: ...`) and
+all errors of a file are reported together in one `ConfigError`. Warnings are things that work
+but are probably not what the operator meant. The reading machinery the router's file shares
+(strict YAML, `Reader`, durations, URLs, the log block, secrets) is `kv_listener.configkit`;
+its names are re-exported here for the listener's own modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import enum
 import ipaddress
-import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
+from kv_listener.configkit import (
+    BACKEND_NAME_RE,
+    ConfigError,
+    LogConfig,
+    Reader,
+    YamlContentError,
+    check_url,
+    did_you_mean,
+    is_loopback,
+    parse_duration,
+    parse_listen,
+    parse_log,
+    read_secret,
+    read_yaml,
+    root_mapping,
+    type_name,
+)
 from kv_listener.core.limits import Limits
 from kv_listener.core.model import Engine
 
-BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+# The toolkit's names other modules import from here (the listener's side of the house).
+__all__ = [
+    "BACKEND_NAME_RE",
+    "LISTENER_TOP_KEYS",
+    "BackoffConfig",
+    "CacheSaltConfig",
+    "ConfigError",
+    "Engine",
+    "EventBusConfig",
+    "Limits",
+    "ListenerConfig",
+    "LogConfig",
+    "SourceConfig",
+    "YamlContentError",
+    "check_url",
+    "did_you_mean",
+    "host_allowed",
+    "is_loopback",
+    "load_config",
+    "parse_config",
+    "parse_duration",
+    "parse_listen",
+    "read_secret",
+    "read_yaml",
+    "type_name",
+]
+
+
 _HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
 )
-# Key names that would hold a secret inline. They are refused with a pointer to the file/env form
-# (a credential in a config file ends up in backups, tickets and `ps` of config-management tools).
-_INLINE_SECRET_KEYS = frozenset(
-    {"credential", "token", "bearer_token", "secret", "password", "api_key", "key", "client_key"}
-)
-
-
-class ConfigError(Exception):
-    """Invalid configuration. `errors` holds one message per problem, each prefixed by its path."""
-
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("\n".join(errors))
-        self.errors = errors
-
-
-class YamlContentError(ConfigError):
-    """The file was read but is not acceptable YAML (a syntax error, duplicate keys).
-    `problems` are the messages without the file name, for `config validate`'s own format."""
-
-    def __init__(self, path: str | Path, problems: list[str]) -> None:
-        super().__init__([f"{path}: {p}" for p in problems])
-        self.problems = problems
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader, except that a key given twice in one mapping is recorded instead of
-    silently keeping the last value (a second `listen:` would expose the listener unnoticed).
-    Keys brought in by a merge (`<<: *anchor`) may still be overridden: that is what merges are
-    for."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.duplicates: list[tuple[int, int, str]] = []
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        first: dict[Any, yaml.Mark] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            mark = key_node.start_mark
-            try:
-                seen = first.setdefault(key, mark)
-            except TypeError:  # an unhashable key: SafeConstructor reports it below
-                continue
-            if seen is not mark:
-                self.duplicates.append((mark.line, mark.column,
-                                        f"line {mark.line + 1}, column {mark.column + 1}: duplicate"
-                                        f" key {key!r} (first at line {seen.line + 1}); remove one"))
-        return super().construct_mapping(node, deep=deep)
-
-
-@dataclass(frozen=True, slots=True)
-class LogConfig:
-    level: str = "info"
-    format: str = "json"
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +83,10 @@ class CacheSaltConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class Backoff:
+class BackoffConfig:
+    """`event_bus.reconnect_backoff`: the push client's retry delays (`kv_listener.backoff`
+    applies them)."""
+
     initial_s: float = 1.0
     max_s: float = 60.0
 
@@ -115,7 +101,7 @@ class EventBusConfig:
     credential_env: str | None = None
     client_cert_file: str | None = None
     client_key_file: str | None = None
-    reconnect_backoff: Backoff = field(default_factory=Backoff)
+    reconnect_backoff: BackoffConfig = field(default_factory=BackoffConfig)
     connect_timeout_s: float = 5.0
     drain_deadline_s: float = 5.0
 
@@ -168,209 +154,6 @@ class ListenerConfig:
         return None
 
 
-def parse_duration(text: str) -> float:
-    """`"250ms"`, `"5s"`, `"1m"`, `"1h"` -> seconds. Raises ValueError."""
-    m = _DURATION_RE.match(text)
-    if not m:
-        raise ValueError(f"invalid duration {text!r} (expected e.g. '500ms', '5s', '1m')")
-    return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """`"127.0.0.1:7817"` or `"[::1]:7817"` -> (host, port). Raises ValueError."""
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-    else:
-        host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"invalid address {text!r} (expected 'host:port')")
-    return host, int(port)
-
-
-T = TypeVar("T")
-E = TypeVar("E", bound=enum.Enum)
-
-
-class Reader:
-    """Walks a YAML tree (listener or router file) and collects errors with their paths
-    instead of stopping at the first."""
-
-    def __init__(self) -> None:
-        self.errors: list[str] = []
-        self.warnings: list[str] = []
-
-    def error(self, path: str, message: str) -> None:
-        self.errors.append(f"{path}: {message}")
-
-    def warn(self, path: str, message: str) -> None:
-        self.warnings.append(f"{path}: {message}")
-
-    def mapping(self, value: Any, path: str, allowed: set[str]) -> dict[str, Any]:
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            self.error(path, f"expected a mapping, got {type_name(value)}")
-            return {}
-        out: dict[str, Any] = {}
-        for key, item in value.items():
-            sub = f"{path}.{key}" if path else str(key)
-            if not isinstance(key, str):
-                self.error(sub, "keys must be strings")
-            elif key not in allowed:
-                if key in _INLINE_SECRET_KEYS:
-                    self.error(
-                        sub,
-                        "inline credentials are refused; put the secret in a file or an "
-                        "environment variable (credential_file / credential_env, "
-                        "secret_file / secret_env)",
-                    )
-                else:
-                    hint = did_you_mean(key, allowed) or f" (allowed: {', '.join(sorted(allowed))})"
-                    self.error(sub, f"unknown key{hint}")
-            else:
-                out[key] = item
-        return out
-
-    def typed(
-        self,
-        data: dict[str, Any],
-        key: str,
-        path: str,
-        kind: type[T] | tuple[type, ...],
-        default: T,
-        *,
-        nullable: bool = False,
-    ) -> T:
-        if key not in data:
-            return default
-        value = data[key]
-        sub = f"{path}.{key}" if path else key
-        if value is None and nullable:
-            return value  # type: ignore[return-value]
-        # bool is an int in Python; a YAML `true` where a number belongs is a mistake.
-        if isinstance(value, bool) and kind is not bool:
-            self.error(sub, f"expected {_kind_name(kind)}, got a boolean")
-            return default
-        if not isinstance(value, kind):
-            self.error(sub, f"expected {_kind_name(kind)}, got {type_name(value)}")
-            return default
-        return value  # type: ignore[return-value]
-
-    def int_range(self, data: dict[str, Any], key: str, path: str, default: int, lo: int, hi: int) -> int:
-        value = self.typed(data, key, path, int, default)
-        if not lo <= value <= hi:
-            self.error(f"{path}.{key}" if path else key, f"must be between {lo} and {hi}, got {value}")
-            return default
-        return value
-
-    def duration(
-        self,
-        data: dict[str, Any],
-        key: str,
-        path: str,
-        default: float,
-        lo: float = 0.001,
-        hi: float = 86400.0,
-    ) -> float:
-        sub = f"{path}.{key}" if path else key
-        if key not in data:
-            return default
-        raw = data[key]
-        if not isinstance(raw, str):
-            self.error(sub, f"expected a duration string like '500ms' or '5s', got {type_name(raw)}")
-            return default
-        try:
-            value = parse_duration(raw)
-        except ValueError as exc:
-            self.error(sub, str(exc))
-            return default
-        if not lo <= value <= hi:
-            self.error(sub, f"must be between {lo:g}s and {hi:g}s, got {raw!r}")
-            return default
-        return value
-
-    def choice(
-        self, data: dict[str, Any], key: str, path: str, default: str, choices: tuple[str, ...]
-    ) -> str:
-        value = self.typed(data, key, path, str, default)
-        if value not in choices:
-            self.error(f"{path}.{key}" if path else key,
-                       f"must be one of {', '.join(choices)}, got {value!r}"
-                       f"{did_you_mean(value, choices)}")
-            return default
-        return value
-
-    def name(self, data: dict[str, Any], key: str, path: str, hint: str = "") -> str:
-        """A required `[A-Za-z0-9_-]{1,64}` identifier (backend name, client or broker id)."""
-        value = self.typed(data, key, path, str, "")
-        if key not in data:
-            self.error(f"{path}.{key}", f"is required{hint}")
-        elif not BACKEND_NAME_RE.match(value):
-            self.error(f"{path}.{key}", f"must match [A-Za-z0-9_-]{{1,64}}, got {value!r}")
-        return value
-
-    def enum(self, data: dict[str, Any], key: str, path: str, kind: type[E]) -> E | None:
-        """A required member of the string Enum `kind`, by value."""
-        names = [str(m.value) for m in kind]
-        values = ", ".join(names)
-        raw = self.typed(data, key, path, str, "")
-        if key not in data:
-            either = " or ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else values
-            self.error(f"{path}.{key}", f"is required ({either})")
-            return None
-        try:
-            return kind(raw)
-        except ValueError:
-            self.error(f"{path}.{key}",
-                       f"must be one of {values}, got {raw!r}{did_you_mean(raw, names)}")
-            return None
-
-    def existing_file(self, path: str, value: str | None, *, directory: bool = False) -> None:
-        if value is None:
-            return
-        p = Path(value)
-        ok = p.is_dir() if directory else p.is_file()
-        if not ok:
-            self.error(path, f"{'directory' if directory else 'file'} {value!r} does not exist")
-
-
-def did_you_mean(word: str, known: Iterable[str]) -> str:
-    """` (did you mean 'x'?)` for the closest known word, when one is close enough (a typo,
-    a case slip, a dash for an underscore); else ""."""
-    by_folded = {k.lower().replace("-", "_"): k for k in known}
-    folded = word.lower().replace("-", "_")
-    if folded in by_folded and by_folded[folded] != word:
-        return f" (did you mean {by_folded[folded]!r}?)"
-    close = difflib.get_close_matches(folded, list(by_folded), n=1, cutoff=0.75)
-    return f" (did you mean {by_folded[close[0]]!r}?)" if close else ""
-
-
-def type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {
-        dict: "a mapping",
-        list: "a list",
-        str: "a string",
-        int: "an integer",
-        float: "a number",
-        bool: "a boolean",
-    }.get(type(value), type(value).__name__)
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    names = {
-        str: "a string",
-        int: "an integer",
-        float: "a number",
-        bool: "a boolean",
-        list: "a list",
-        dict: "a mapping",
-    }
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
-
-
 def _limits(r: Reader, raw: Any, path: str, base: Limits) -> Limits:
     allowed = {f.name for f in dataclasses.fields(Limits)}
     data = r.mapping(raw, path, allowed)
@@ -387,28 +170,6 @@ def _limits(r: Reader, raw: Any, path: str, base: Limits) -> Limits:
         max_event_hashes=r.int_range(data, "max_event_hashes", path, base.max_event_hashes, 1, 1 << 24),
     )
     return lim
-
-
-def check_url(r: Reader, path: str, value: str | None, schemes: tuple[str, ...]) -> str | None:
-    if value is None:
-        return None
-    try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError as exc:
-        r.error(path, f"invalid URL {value!r}: {exc}")
-        return None
-    if parts.scheme not in schemes:
-        r.error(path, f"URL scheme must be {' or '.join(schemes)}, got {value!r}")
-        return None
-    if not parts.hostname:
-        r.error(path, f"URL {value!r} has no host")
-        return None
-    if parts.username is not None or parts.password is not None:
-        r.error(path, "inline credentials in URLs are refused")
-        return None
-    del port
-    return value
 
 
 def _zmq_endpoint(r: Reader, path: str, value: str | None) -> str | None:
@@ -597,18 +358,6 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
     )
 
 
-def is_loopback(host: str) -> bool:
-    """`localhost`, 127.0.0.0/8 or ::1 (brackets of an IPv6 URL host allowed); a host name
-    other than localhost is not (it may resolve anywhere)."""
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def host_allowed(host: str, publishers: tuple[str, ...] | list[str]) -> bool:
     """Is `host` (an IP or a name, as written in a URL) covered by `allowed_publishers`?"""
     try:
@@ -628,11 +377,9 @@ def _cache_salt(r: Reader, raw: Any) -> CacheSaltConfig:
     data = r.mapping(raw, "cache_salt", {"secret_file", "secret_env"})
     secret_file = r.typed(data, "secret_file", "cache_salt", str, None, nullable=True)
     secret_env = r.typed(data, "secret_env", "cache_salt", str, None, nullable=True)
-    if secret_file is not None and secret_env is not None:
-        r.error("cache_salt", "set secret_file or secret_env, not both")
+    r.not_both("cache_salt", ("secret_file", secret_file), ("secret_env", secret_env))
     r.existing_file("cache_salt.secret_file", secret_file)
-    if secret_env is not None and secret_env not in os.environ:
-        r.warn("cache_salt.secret_env", f"environment variable {secret_env!r} is not set here")
+    r.env_is_set("cache_salt.secret_env", secret_env)
     return CacheSaltConfig(secret_file=secret_file, secret_env=secret_env)
 
 
@@ -654,28 +401,22 @@ def _event_bus(r: Reader, raw: Any) -> EventBusConfig | None:
     client_id = r.typed(data, "client_id", p, str, "kv-listener-a")
     if not BACKEND_NAME_RE.match(client_id):
         r.error(f"{p}.client_id", f"must match [A-Za-z0-9_-]{{1,64}}, got {client_id!r}")
-    opt: dict[str, str | None] = {}
-    for key in (
-        "ca_file",
-        "tls_server_name",
-        "credential_file",
-        "credential_env",
-        "client_cert_file",
-        "client_key_file",
-    ):
-        opt[key] = r.typed(data, key, p, str, None, nullable=True)
+    # The optional strings, by their field names (they are passed to EventBusConfig as they are).
+    opt: dict[str, str | None] = {
+        key: r.typed(data, key, p, str, None, nullable=True)
+        for key in ("ca_file", "tls_server_name", "credential_file", "credential_env",
+                    "client_cert_file", "client_key_file")
+    }
     for key in ("ca_file", "credential_file", "client_cert_file", "client_key_file"):
         r.existing_file(f"{p}.{key}", opt[key])
-    if opt["credential_file"] is not None and opt["credential_env"] is not None:
-        r.error(p, "set credential_file or credential_env, not both")
+    r.not_both(p, ("credential_file", opt["credential_file"]), ("credential_env", opt["credential_env"]))
     if (opt["client_cert_file"] is None) != (opt["client_key_file"] is None):
         r.error(p, "client_cert_file and client_key_file go together")
     if opt["credential_file"] is None and opt["credential_env"] is None and opt["client_cert_file"] is None:
         r.error(p, "no credential: set credential_file, credential_env or client_cert_file/client_key_file")
-    if opt["credential_env"] is not None and opt["credential_env"] not in os.environ:
-        r.warn(f"{p}.credential_env", f"environment variable {opt['credential_env']!r} is not set here")
+    r.env_is_set(f"{p}.credential_env", opt["credential_env"])
     bo = r.mapping(data.get("reconnect_backoff"), f"{p}.reconnect_backoff", {"initial", "max"})
-    backoff = Backoff(
+    backoff = BackoffConfig(
         initial_s=r.duration(bo, "initial", f"{p}.reconnect_backoff", 1.0),
         max_s=r.duration(bo, "max", f"{p}.reconnect_backoff", 60.0),
     )
@@ -685,19 +426,8 @@ def _event_bus(r: Reader, raw: Any) -> EventBusConfig | None:
     drain_deadline = r.duration(data, "drain_deadline", p, 5.0, hi=600.0)
     if len(r.errors) != n_errors:
         return None
-    return EventBusConfig(
-        url=url,
-        client_id=client_id,
-        ca_file=opt["ca_file"],
-        tls_server_name=opt["tls_server_name"],
-        credential_file=opt["credential_file"],
-        credential_env=opt["credential_env"],
-        client_cert_file=opt["client_cert_file"],
-        client_key_file=opt["client_key_file"],
-        reconnect_backoff=backoff,
-        connect_timeout_s=connect_timeout,
-        drain_deadline_s=drain_deadline,
-    )
+    return EventBusConfig(url=url, client_id=client_id, reconnect_backoff=backoff,
+                          connect_timeout_s=connect_timeout, drain_deadline_s=drain_deadline, **opt)
 
 
 LISTENER_TOP_KEYS = frozenset(
@@ -720,22 +450,9 @@ LISTENER_TOP_KEYS = frozenset(
 def parse_config(raw: Any) -> ListenerConfig:
     """YAML tree -> `ListenerConfig`. Raises `ConfigError` listing every problem."""
     r = Reader()
-    if raw is not None and not isinstance(raw, Mapping):
-        raise ConfigError([f"<root>: expected a mapping, got {type_name(raw)}"])
-    data = r.mapping(raw, "", set(LISTENER_TOP_KEYS))
-
-    host, port = "127.0.0.1", 7817
-    listen = r.typed(data, "listen", "", str, "127.0.0.1:7817")
-    try:
-        host, port = parse_listen(listen)
-    except ValueError as exc:
-        r.error("listen", str(exc))
-
-    log_data = r.mapping(data.get("log"), "log", {"level", "format"})
-    log = LogConfig(
-        level=r.choice(log_data, "level", "log", "info", ("debug", "info", "warning", "error")),
-        format=r.choice(log_data, "format", "log", "json", ("json", "console")),
-    )
+    data = root_mapping(r, raw, LISTENER_TOP_KEYS)
+    host, port = r.address(data, "listen", "", "127.0.0.1:7817") or ("127.0.0.1", 7817)
+    log = parse_log(r, data.get("log"))
     limits = _limits(r, data.get("limits"), "limits", Limits())
     max_prefix_length = r.int_range(data, "max_prefix_length", "", 1024, 16, 1 << 20)
     history_size = r.int_range(data, "history_size", "", 100000, 1, 100_000_000)
@@ -804,36 +521,6 @@ def parse_config(raw: Any) -> ListenerConfig:
     )
 
 
-def read_yaml(path: str | Path) -> Any:
-    """Read a YAML file. A file that cannot be read raises `ConfigError` (one line); a syntax
-    error or duplicate keys raise `YamlContentError` (every duplicate at once). No traceback
-    material either way."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError([f"{path}: no such file"]) from None
-    except IsADirectoryError:
-        raise ConfigError([f"{path}: is a directory"]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path}: cannot read: {exc}"]) from None
-    loader = _StrictLoader(text)
-    try:
-        data = loader.get_single_data()
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise YamlContentError(path, [f"{where}invalid YAML: {problem}"]) from None
-    except RecursionError:
-        raise YamlContentError(path, ["invalid YAML: nested too deeply"]) from None
-    finally:
-        loader.dispose()
-    if loader.duplicates:
-        raise YamlContentError(path, [text for *_, text in sorted(loader.duplicates)])
-    return data
-
-
 def load_config(path: str | Path) -> ListenerConfig:
     """A listener file, checked exactly as `config validate` checks it: at start and on every
     SIGHUP. An empty file, or a router file, is not a listener configuration (it would otherwise
@@ -845,24 +532,3 @@ def load_config(path: str | Path) -> ListenerConfig:
         raise ConfigError([f"{path}: this is a router configuration (top-level 'kv_cache_index'); "
                            "run it with 'continuum-kv-listener router --config'"])
     return parse_config(raw)
-
-
-def read_secret(file: str | None, env: str | None) -> bytes | None:
-    """Secret bytes from a file or an environment variable, trailing whitespace stripped
-    (SPEC §3, §7). None when neither is set. Raises ConfigError when unreadable or empty."""
-    if file is not None:
-        try:
-            value = Path(file).read_bytes().rstrip()
-        except OSError as exc:
-            raise ConfigError([f"{file}: cannot read secret: {exc.strerror}"]) from None
-        where = file
-    elif env is not None:
-        if env not in os.environ:
-            raise ConfigError([f"environment variable {env!r} is not set"])
-        value = os.environ[env].encode("utf-8").rstrip()
-        where = f"${env}"
-    else:
-        return None
-    if not value:
-        raise ConfigError([f"{where}: secret is empty"])
-    return value

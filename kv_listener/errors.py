@@ -1,13 +1,24 @@
-"""Errors that decide the process's exit code (SPEC §9): a `ConfigError` (kv_listener.config)
-exits 2, because restarting would not fix it; a `StartError` exits 1, because it may go away by
-itself (a port still held by the previous process, a dependency not up yet), so a supervisor
-restarting the process is right."""
+"""Errors that decide the process's exit code (SPEC §9): a `ConfigError` exits 2, because
+restarting would not fix it; a `StartError` exits 1, because it may go away by itself (a port
+still held by the previous process, a dependency not up yet), so a supervisor restarting the
+process is right.
+
+Owns the two error types and the rule that picks one for a socket that would not open. It
+imports nothing of the package, so every layer (the configuration toolkit, the listener, the
+router) can raise them.
+"""
 
 from __future__ import annotations
 
 import errno
 
-from kv_listener.config import ConfigError
+
+class ConfigError(Exception):
+    """Invalid configuration. `errors` holds one message per problem, each prefixed by its path."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
 
 
 class StartError(Exception):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kv_listener.config import ConfigError
+from kv_listener.errors import ConfigError
 from kv_listener.router.config import (
     BrokerRole,
     IndexBackend,

@@ -33,8 +33,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from kv_listener.config import ConfigError
-from kv_listener.errors import bind_error
+from kv_listener.errors import ConfigError, bind_error
 from kv_listener.httpserver import RunningServer, serve
 from kv_listener.logging import apply_config_logging, get_logger
 from kv_listener.metrics import add_process_collectors

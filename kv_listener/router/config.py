@@ -4,10 +4,11 @@ Owns: the router file's key names, defaults and validation. The file holds the s
 `kv_cache_index` block, the seed's `dynamo.event_bus` block, Redis settings in the seed's
 `response_cache.redis` shape (used when `kv_cache_index.backend: redis`), `admin` (`listen`, and
 the optional bearer tokens of `auth`, stored as SHA-256 hashes as the bus's brokers are) and
-`log`. Validation follows `kv_listener.config`: unknown keys, wrong types and out-of-range
-values are errors naming their YAML path, all reported at once in one `ConfigError`; settings
-that work but probably do not do what the operator meant (the seed's
-`gpu_tier_weight < min_overlap_threshold`, ...) come back as `RouterConfig.warnings`.
+`log`. It is read with `kv_listener.configkit`, as the listener's file is (and never with the
+listener's `kv_listener.config`): unknown keys, wrong types and out-of-range values are errors
+naming their YAML path, all reported at once in one `ConfigError`; settings that work but
+probably do not do what the operator meant (the seed's `gpu_tier_weight < min_overlap_threshold`,
+...) come back as `RouterConfig.warnings`.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kv_listener.config import (
+from kv_listener.configkit import (
     BACKEND_NAME_RE,
     ConfigError,
     LogConfig,
     Reader,
     check_url,
     is_loopback,
-    parse_listen,
+    parse_log,
     read_yaml,
+    root_mapping,
     type_name,
 )
 
@@ -399,12 +401,8 @@ def _event_bus(r: Reader, raw: Any) -> EventBusServerConfig:
     p = "dynamo.event_bus"
     data = r.mapping(raw, p, {"enabled", "listen", "tls", "brokers"})
     enabled = r.typed(data, "enabled", p, bool, False)
-    host, port = "0.0.0.0", 9443  # noqa: S104 - see EventBusServerConfig
-    listen = r.typed(data, "listen", p, str, "0.0.0.0:9443")
-    try:
-        host, port = parse_listen(listen)
-    except ValueError as exc:
-        r.error(f"{p}.listen", str(exc))
+    default = ("0.0.0.0", 9443)  # noqa: S104 - see EventBusServerConfig
+    host, port = r.address(data, "listen", p, "0.0.0.0:9443") or default
     tls: BusTlsConfig | None = None
     tls_data = r.mapping(data.get("tls"), f"{p}.tls", {"cert", "key", "client_ca"})
     cert = r.typed(tls_data, "cert", f"{p}.tls", str, None, nullable=True)
@@ -547,12 +545,10 @@ def _admin_auth(r: Reader, raw: Any) -> AdminAuthConfig | None:
 def _admin(r: Reader, raw: Any) -> AdminConfig:
     data = r.mapping(raw, "admin", {"listen", "auth"})
     auth = _admin_auth(r, data.get("auth"))
-    listen = r.typed(data, "listen", "admin", str, "127.0.0.1:8090")
-    try:
-        host, port = parse_listen(listen)
-    except ValueError as exc:
-        r.error("admin.listen", str(exc))
+    address = r.address(data, "listen", "admin", "127.0.0.1:8090")
+    if address is None:
         return AdminConfig(auth=auth)
+    host, port = address
     if auth is None and not is_loopback(host):
         r.warn("admin.listen", "is not a loopback address and admin.auth is not set: anyone who "
                                "reaches it can use the admin API (POST /admin/kv-index/clear "
@@ -563,9 +559,7 @@ def _admin(r: Reader, raw: Any) -> AdminConfig:
 def parse_router_config(raw: Any) -> RouterConfig:
     """YAML tree -> `RouterConfig`. Raises `ConfigError` listing every problem."""
     r = Reader()
-    if raw is not None and not isinstance(raw, Mapping):
-        raise ConfigError([f"<root>: expected a mapping, got {type_name(raw)}"])
-    data = r.mapping(raw, "", set(ROUTER_TOP_KEYS))
+    data = root_mapping(r, raw, ROUTER_TOP_KEYS)
     if "kv_cache_index" not in data:
         r.error("kv_cache_index", "is required (this is what tells a router file from a "
                                   "listener file)")
@@ -579,11 +573,7 @@ def parse_router_config(raw: Any) -> RouterConfig:
 
     admin = _admin(r, data.get("admin"))
 
-    log_data = r.mapping(data.get("log"), "log", {"level", "format"})
-    log = LogConfig(
-        level=r.choice(log_data, "level", "log", "info", ("debug", "info", "warning", "error")),
-        format=r.choice(log_data, "format", "log", "json", ("json", "console")),
-    )
+    log = parse_log(r, data.get("log"))
 
     # Cross-block rules.
     if admin.auth is not None:

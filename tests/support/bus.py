@@ -16,7 +16,7 @@ from typing import Any
 
 from hpack import HeaderTuple
 
-from kv_listener.config import Backoff, EventBusConfig
+from kv_listener.config import BackoffConfig, EventBusConfig
 from kv_listener.core import bus_protocol as bp
 from kv_listener.core.bus_protocol import Hello, Role
 from kv_listener.outputs.bus_client import _H2Connection, open_tls
@@ -78,7 +78,7 @@ def listener_config(port: int, tls: TlsMaterial, token_file: Path | None, *,
         tls_server_name=server_name,
         credential_file=str(token_file) if token_file is not None else None,
         client_cert_file=cert.cert if cert else None, client_key_file=cert.key if cert else None,
-        reconnect_backoff=Backoff(initial_s, max_s), **kwargs)
+        reconnect_backoff=BackoffConfig(initial_s, max_s), **kwargs)
 
 
 def write_token(directory: Path, token: bytes, name: str = "token") -> Path:
