@@ -1,8 +1,9 @@
 """Pure decoders of engine KV-cache event payloads into the normalized model (`core.model`).
 
-Owns the wire knowledge: which field sits where in every historical layout of vLLM (0.9 .. 0.33)
-and SGLang (0.4.7 .. 0.5.23) msgpack batches, the TRT-LLM `POST /kv_cache_events` JSON, and the
-reasons an event, batch or frame is dropped (`DropReason`, whose values are metric labels).
+Owns the batch: the msgpack envelope of vLLM (0.9 .. 0.33) and SGLang (0.4.7 .. 0.5.23) batches,
+the caps, and the two paths that turn it into events. The per-event wire knowledge and the drop
+reasons (`DropReason`, whose values are metric labels) are in `core.decode_events`; the TRT-LLM
+`POST /kv_cache_events` JSON in `core.decode_trtllm`; both are re-exported here.
 Facts and versions come from `shared/reference/wire-formats.md` §1-4; the section numbers below
 refer to it.
 
@@ -28,26 +29,33 @@ only. `bench/decode.py` prints the figures.
 
 from __future__ import annotations
 
-import enum
-import json
-from array import array
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import msgspec
 
 from kv_listener.core import wire
+from kv_listener.core.decode_events import (
+    CLEARED,
+    EVENT_ERRORS,
+    HANDLERS,
+    DecodeError,
+    DropReason,
+    EventDrop,
+    wire_extra_keys,
+    wire_tokens,
+)
+from kv_listener.core.decode_trtllm import (
+    DecodedTrtllm,
+    TrtllmRecord,
+    decode_trtllm_events,
+    trtllm_cache_level_medium,
+)
 from kv_listener.core.model import (
-    MEDIUM_GPU,
-    MEDIUM_TRTLLM_HOST,
     U64_MASK,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    BlockUpdated,
-    CacheCreated,
     Engine,
     EventBatch,
     KvEvent,
@@ -66,40 +74,6 @@ __all__ = [
 ]
 
 
-class DropReason(enum.StrEnum):
-    """Why an event, a batch or a frame was dropped. Values are metric label values."""
-
-    # --- one event dropped, the rest of its batch kept (counted in `drops`) ---
-    MALFORMED_EVENT = "malformed_event"  # not an array/map, missing or mistyped field
-    UNKNOWN_TAG = "unknown_tag"  # well-formed event of a type we do not know (future engines)
-    BAD_HASH = "bad_hash"  # block hash neither int nor non-empty bytes (or out of u64/i64 range)
-    BAD_TOKENS = "bad_tokens"  # token id not an int in 0..2^32-1 (or a malformed EAGLE pair)
-    NO_TIER_CHANGE = "no_tier_change"  # TRT-LLM `updated` without a cache_level change (skipped)
-    TOO_MANY_TOKENS = "too_many_tokens"  # more token IDs than `max_event_tokens`
-    TOO_MANY_HASHES = "too_many_hashes"  # more block hashes than `max_event_hashes`
-    # --- a whole payload dropped: raised as DecodeError ---
-    INVALID_MSGPACK = "invalid_msgpack"  # payload is not one msgpack object
-    INVALID_JSON = "invalid_json"  # TRT-LLM body is not JSON
-    MALFORMED_BATCH = "malformed_batch"  # msgpack/JSON fine, but not a batch envelope / list
-    OVERSIZED_ARRAY = "oversized_array"  # an array beyond twice the event caps: not decoded
-    # --- frame level, used by the ZMQ source (`core.sequence` parses frames) ---
-    BAD_FRAME_COUNT = "bad_frame_count"  # a ZMQ message that is not [topic, seq, payload]
-    BAD_SEQ = "bad_seq"  # sequence frame that is not 8 bytes
-    # --- TRT-LLM source ---
-    DUPLICATE_EVENT_ID = "duplicate_event_id"  # event_id already applied
-
-
-class DecodeError(Exception):
-    """A whole payload/frame cannot be decoded. `reason` is the metric label to count it under.
-
-    The message names the problem, never the payload's content.
-    """
-
-    def __init__(self, reason: DropReason, message: str) -> None:
-        super().__init__(f"{reason.value}: {message}")
-        self.reason = reason
-
-
 class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
     """One decoded vLLM/SGLang batch.
 
@@ -113,378 +87,7 @@ class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
     drops: Counter[str]
 
 
-class TrtllmRecord(msgspec.Struct, frozen=True, gc=False):
-    """One record of a TRT-LLM `/kv_cache_events` response.
-
-    `events` is empty when the record's `data` was dropped (malformed, unknown type, an `updated`
-    with no tier change): the record is still returned so that `event_id` continuity (dedupe and
-    gap detection) holds. `dp_rank` is TRT-LLM's `attention_dp_rank`.
-    """
-
-    event_id: int
-    window_size: int | None
-    dp_rank: int | None
-    events: tuple[KvEvent, ...]
-
-
-class DecodedTrtllm(msgspec.Struct, frozen=True, gc=False):
-    """A decoded TRT-LLM body: records in wire order, `raw_events` records on the wire."""
-
-    records: tuple[TrtllmRecord, ...]
-    raw_events: int
-    drops: Counter[str]
-
-
-class _Drop(Exception):
-    """Internal: drop the current event under `reason` (never escapes this module)."""
-
-    def __init__(self, reason: DropReason) -> None:
-        super().__init__(reason.value)
-        self.reason = reason
-
-
-# Anything a malformed msgpack object can make the field access code raise. Caught per event, so a
-# hostile event costs only itself.
-_EVENT_ERRORS = (
-    TypeError,
-    ValueError,
-    IndexError,
-    KeyError,
-    OverflowError,
-    AttributeError,
-    RecursionError,  # absurdly nested extra_keys (msgpack allows ~1000 levels)
-)
-
 _M = U64_MASK
-_I64_MIN = -(1 << 63)
-_CLEARED = AllBlocksCleared()
-_NONES: list[Any] = [None] * 16
-
-
-# --- field helpers ---------------------------------------------------------------------------
-
-
-def _hash(h: Any) -> int:
-    """One wire hash -> u64 (§1 rule 4): ints mod 2^64 (i64 or u64), bytes: last 8 bytes BE."""
-    t = type(h)
-    if t is int:
-        if _I64_MIN <= h <= _M:
-            return int(h & _M)
-        raise _Drop(DropReason.BAD_HASH)
-    if t is bytes and h:
-        return int.from_bytes(h[-8:], "big")
-    raise _Drop(DropReason.BAD_HASH)
-
-
-def _hashes(v: Any) -> tuple[int, ...]:
-    if type(v) is not list:
-        raise _Drop(DropReason.BAD_HASH)
-    try:
-        # Fast path: every hash an int (the default wire form of every engine).
-        out = tuple([h & _M for h in v])
-    except TypeError:
-        # bytes hashes (vLLM VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), or garbage.
-        return tuple([_hash(h) for h in v])
-    if bool in map(type, v):  # msgpack true/false passed the int path: not a hash
-        raise _Drop(DropReason.BAD_HASH)
-    return out
-
-
-def _parent(p: Any) -> int | None:
-    return None if p is None else _hash(p)
-
-
-_TOKEN_STEP = 1 << 16
-
-
-def _tokens(v: Any, pairs_ok: bool) -> array[int]:
-    if type(v) is not list:
-        raise _Drop(DropReason.BAD_TOKENS)
-    try:
-        # array('I') rejects non-ints (TypeError) and values outside 0..2^32-1 (OverflowError).
-        if len(v) <= _TOKEN_STEP:
-            return array("I", v)
-        out = array("I")  # in steps, so the C loop never holds the GIL for long (see _unpack)
-        for i in range(0, len(v), _TOKEN_STEP):
-            out.extend(v[i:i + _TOKEN_STEP])
-        return out
-    except (TypeError, OverflowError):
-        pass
-    if pairs_ok and v and type(v[0]) is list:
-        return _bigram_firsts(v)
-    raise _Drop(DropReason.BAD_TOKENS)
-
-
-def _bigram_firsts(v: list[Any]) -> array[int]:
-    """SGLang EAGLE bigram mode: token_ids are pairs `(t[i], t[i+1])` (sglang
-    `mem_cache/utils.py::convert_to_bigram_key`: the draft sequence is the target shifted by one).
-    The first element of pair i is the token at position i, so the firsts are exactly the page's
-    tokens: that keeps `len(token_ids) == block_size * len(block_hashes)` and gives detokenize the
-    real text (flattening, as Dynamo does, would double every inner token)."""
-    for p in v:
-        if type(p) is not list or len(p) != 2:
-            raise _Drop(DropReason.BAD_TOKENS)
-    try:
-        return array("I", [p[0] for p in v])
-    except (TypeError, OverflowError):
-        raise _Drop(DropReason.BAD_TOKENS) from None
-
-
-def _freeze(v: Any) -> Any:
-    t = type(v)
-    if t is list:
-        return tuple([_freeze(x) for x in v])
-    if t is dict:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return v
-
-
-def _extra_keys(v: Any) -> tuple[Any, ...] | None:
-    """vLLM >= 0.17 `extra_keys`: one entry per hash, each a tuple (msgpack array) or None."""
-    if v is None:
-        return None
-    if type(v) is not list:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    if v.count(None) == len(v):  # the common case: [None] * len(block_hashes)
-        return tuple(v)
-    if len(v) == 1 and type(first := v[0]) is list and all(type(x) is str for x in first):
-        return (tuple(first),)  # the other common one: a salted root block's [[salt]]
-    types = set(map(type, v))
-    if list in types or dict in types:
-        return tuple([_freeze(x) for x in v])
-    return tuple(v)
-
-
-def _block_size(bs: Any) -> int:
-    if type(bs) is not int or bs < 0:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return int(bs)
-
-
-def _opt_str(x: Any) -> bool:
-    return x is None or type(x) is str
-
-
-def _opt_int(x: Any) -> bool:
-    return x is None or type(x) is int
-
-
-# --- vLLM events (§2.4) ----------------------------------------------------------------------
-#
-# Legacy array layouts (vLLM <= 0.23; msgspec array_like writes every field, so the length is
-# fixed per release, table in §2.4):
-#   BlockStored  [tag, hashes, parent, tokens, block_size, lora_id,        # 6: 0.9.0 .. 0.10.1
-#                 medium,                                                  # 7: 0.10.2 .. 0.13
-#                 lora_name,                                               # 8: 0.14 .. 0.16
-#                 extra_keys,                                              # 9: 0.17 .. 0.19
-#                 group_idx,                                               # 10: 0.20 .. 0.21
-#                 kv_cache_spec_kind, kv_cache_spec_sliding_window]        # 12: 0.22 .. 0.23
-#   BlockRemoved [tag, hashes, medium (0.10.2), group_idx (0.20)]
-# Longer arrays (a future field) are read up to what we know; shorter ones pad with None.
-
-
-def _vllm_stored_array(e: list[Any]) -> BlockStored:
-    n = len(e)
-    if n < 5:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    f = e[:12] if n >= 12 else e + _NONES[: 12 - n]
-    _, hs, parent, toks, bs, lora_id, medium, lora_name, extra, group, kind, _window = f
-    # One expression instead of five helper calls: this runs once per event on the hot path.
-    if not (
-        (lora_id is None or type(lora_id) is int)
-        and (medium is None or type(medium) is str)
-        and (lora_name is None or type(lora_name) is str)
-        and (group is None or type(group) is int)
-        and (kind is None or type(kind) is str)
-    ):
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return BlockStored(
-        _hashes(hs),
-        None if parent is None else _hash(parent),
-        _tokens(toks, False),
-        _block_size(bs),
-        lora_id,
-        lora_name,
-        medium,
-        group,
-        _extra_keys(extra),
-        None,
-        kind,
-    )
-
-
-def _removed_array(e: list[Any]) -> BlockRemoved:
-    """vLLM [tag, hashes, medium?, group_idx?] and SGLang [tag, hashes, medium?]."""
-    n = len(e)
-    if n < 2:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    medium = e[2] if n > 2 else None
-    group = e[3] if n > 3 else None
-    if not (_opt_str(medium) and _opt_int(group)):
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return BlockRemoved(_hashes(e[1]), medium, group)
-
-
-# Map layouts (vLLM >= 0.24, PR #42892): fields by name, unknown keys ignored (locality,
-# ownership, session_id, lookahead_token_ids, kv_cache_spec_sliding_window, ...). Fields that no
-# engine can omit (non-nullable, no default: block_hashes, token_ids, block_size) are required; a
-# missing nullable field reads as None, which is what omit_defaults would have meant.
-
-
-def _vllm_stored_map(e: dict[Any, Any]) -> BlockStored:
-    g = e.get
-    hs = g("block_hashes")
-    toks = g("token_ids")
-    bs = g("block_size")
-    if hs is None or toks is None or bs is None:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    lora_id = g("lora_id")
-    medium = g("medium")
-    lora_name = g("lora_name")
-    group = g("group_idx")
-    kind = g("kv_cache_spec_kind")
-    # One expression instead of five helper calls: this runs once per event on the hot path.
-    if not (
-        (lora_id is None or type(lora_id) is int)
-        and (medium is None or type(medium) is str)
-        and (lora_name is None or type(lora_name) is str)
-        and (group is None or type(group) is int)
-        and (kind is None or type(kind) is str)
-    ):
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return BlockStored(
-        _hashes(hs),
-        None if (parent := g("parent_block_hash")) is None else _hash(parent),
-        _tokens(toks, False),
-        _block_size(bs),
-        lora_id,
-        lora_name,
-        medium,
-        group,
-        _extra_keys(g("extra_keys")),
-        None,
-        kind,
-    )
-
-
-def _removed_map(e: dict[Any, Any]) -> BlockRemoved:
-    """vLLM {block_hashes, medium, group_idx, locality, ownership}; SGLang {block_hashes, medium}."""
-    hs = e.get("block_hashes")
-    if hs is None:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    medium = e.get("medium")
-    group = e.get("group_idx")
-    if not (_opt_str(medium) and _opt_int(group)):
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return BlockRemoved(_hashes(hs), medium, group)
-
-
-def _cleared(_e: Any) -> AllBlocksCleared:
-    return _CLEARED
-
-
-# --- SGLang events (§3.3) --------------------------------------------------------------------
-#
-# Arrays (<= 0.5.19): BlockStored [tag, hashes, parent, tokens, block_size, lora_id (6: 0.4.7 ..
-# 0.5.6), medium (7: 0.5.9 ..), {"cache_salt": ...} (8: 0.5.18-0.5.19 salted blocks, PR #30827)].
-# Maps (>= 0.5.20, PR #37482): + cache_salt, session_id (ignored), lora_name (0.5.22).
-# Hashes are signed int64 (first 8 bytes of SHA-256 since 0.5.6; Python hash() before).
-
-
-def _sglang_stored_array(e: list[Any]) -> BlockStored:
-    n = len(e)
-    if n < 5:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    f = e[:8] if n >= 8 else e + _NONES[: 8 - n]
-    _, hs, parent, toks, bs, lora_id, medium, meta = f
-    salt = None
-    if meta is not None:
-        if type(meta) is not dict:
-            raise _Drop(DropReason.MALFORMED_EVENT)
-        salt = meta.get("cache_salt")
-    if not (
-        (lora_id is None or type(lora_id) is int)
-        and (medium is None or type(medium) is str)
-        and (salt is None or type(salt) is str)
-    ):
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return BlockStored(
-        _hashes(hs),
-        None if parent is None else _hash(parent),
-        _tokens(toks, True),
-        _block_size(bs),
-        lora_id,
-        None,
-        medium,
-        None,
-        None,
-        salt,
-        None,
-    )
-
-
-def _sglang_stored_map(e: dict[Any, Any]) -> BlockStored:
-    g = e.get
-    hs = g("block_hashes")
-    toks = g("token_ids")
-    bs = g("block_size")
-    if hs is None or toks is None or bs is None:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    lora_id = g("lora_id")
-    medium = g("medium")
-    lora_name = g("lora_name")
-    salt = g("cache_salt")
-    if not (
-        (lora_id is None or type(lora_id) is int)
-        and (medium is None or type(medium) is str)
-        and (lora_name is None or type(lora_name) is str)
-        and (salt is None or type(salt) is str)
-    ):
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return BlockStored(
-        _hashes(hs),
-        None if (parent := g("parent_block_hash")) is None else _hash(parent),
-        _tokens(toks, True),
-        _block_size(bs),
-        lora_id,
-        lora_name,
-        medium,
-        None,
-        None,
-        salt,
-        None,
-    )
-
-
-_Handler = Callable[[Any], KvEvent]
-
-_VLLM_ARRAY: dict[str, _Handler] = {
-    "BlockStored": _vllm_stored_array,
-    "BlockRemoved": _removed_array,
-    "AllBlocksCleared": _cleared,
-}
-_VLLM_MAP: dict[str, _Handler] = {
-    "BlockStored": _vllm_stored_map,
-    "BlockRemoved": _removed_map,
-    "AllBlocksCleared": _cleared,
-}
-_SGLANG_ARRAY: dict[str, _Handler] = {
-    "BlockStored": _sglang_stored_array,
-    "BlockRemoved": _removed_array,
-    "AllBlocksCleared": _cleared,
-}
-_SGLANG_MAP: dict[str, _Handler] = {
-    "BlockStored": _sglang_stored_map,
-    "BlockRemoved": _removed_map,
-    "AllBlocksCleared": _cleared,
-}
-# TRT-LLM's streaming ZMQ publisher (PR #17023) and Dynamo's TRT-LLM republisher both emit
-# vLLM-shaped map events (§4.3, §5), so engine=trtllm on ZMQ uses the vLLM tables.
-_TABLES: dict[Engine, tuple[dict[str, _Handler], dict[str, _Handler]]] = {
-    Engine.VLLM: (_VLLM_ARRAY, _VLLM_MAP),
-    Engine.SGLANG: (_SGLANG_ARRAY, _SGLANG_MAP),
-    Engine.TRTLLM: (_VLLM_ARRAY, _VLLM_MAP),
-}
 
 
 # --- batches ---------------------------------------------------------------------------------
@@ -602,7 +205,7 @@ def _decode_reference(
     """Any payload: generic unpacking (arrays and maps up to `max_len` elements), then every
     event read field by field and judged alone."""
     ts, events, dp = _envelope(_unpack(payload, max_len))
-    array_table, map_table = _TABLES[engine]
+    array_table, map_table = HANDLERS[engine]
     out: list[KvEvent] = []
     drops: Counter[str] = Counter()
     for ev in events:
@@ -622,10 +225,10 @@ def _decode_reference(
                 drops[reason] += 1
                 continue
             decoded = handler(ev)
-        except _Drop as d:
+        except EventDrop as d:
             drops[d.reason] += 1
             continue
-        except _EVENT_ERRORS:
+        except EVENT_ERRORS:
             drops[DropReason.MALFORMED_EVENT] += 1
             continue
         if type(decoded) is BlockStored:
@@ -673,7 +276,7 @@ def _decode_typed(
                     continue
                 if not sglang:
                     lora_name, group, extra, salt, kind = (
-                        ev.lora_name, ev.group_idx, _extra_keys(ev.extra_keys), None,
+                        ev.lora_name, ev.group_idx, wire_extra_keys(ev.extra_keys), None,
                         ev.kv_cache_spec_kind)
                 elif t is wire.SglangStoredArray:
                     lora_name, group, extra, kind = None, None, None, None
@@ -683,7 +286,7 @@ def _decode_typed(
                 parent = ev.parent_block_hash
                 out.append(BlockStored(
                     tuple([h & _M for h in hs]), None if parent is None else parent & _M,
-                    _tokens(toks, False), ev.block_size, ev.lora_id, lora_name, ev.medium, group,
+                    wire_tokens(toks, False), ev.block_size, ev.lora_id, lora_name, ev.medium, group,
                     extra, salt, kind))
             elif t in _REMOVED_TYPES:
                 hs = ev.block_hashes
@@ -692,8 +295,8 @@ def _decode_typed(
                     continue
                 out.append(BlockRemoved(tuple([h & _M for h in hs]), ev.medium, ev.group_idx))
             else:
-                out.append(_CLEARED)
-    except (_Drop, *_EVENT_ERRORS):
+                out.append(CLEARED)
+    except (EventDrop, *EVENT_ERRORS):
         return None  # e.g. a map inside extra_keys: the reference decoder counts that event
     return DecodedBatch(EventBatch(float(batch.ts), tuple(out), batch.dp, seq),
                         len(batch.events), drops)
@@ -719,156 +322,3 @@ def vllm_salt_candidates(event: BlockStored) -> tuple[str, ...]:
     if strs and event.lora_name is not None and strs[0] == event.lora_name:
         strs = strs[1:]
     return tuple(strs)
-
-
-# --- TRT-LLM (§4.2) --------------------------------------------------------------------------
-
-_LEVEL_MEDIA: dict[int, str] = {0: MEDIUM_GPU, 1: MEDIUM_TRTLLM_HOST}
-
-
-def trtllm_cache_level_medium(level: int) -> str:
-    """TRT-LLM `cache_level` -> medium: 0 (primary) `GPU`, 1 (secondary) `HOST`, and any further
-    level a storage tier named `CACHE_LEVEL_<n>` (none exists today; kept rather than dropped)."""
-    medium = _LEVEL_MEDIA.get(level)
-    return medium if medium is not None else f"CACHE_LEVEL_{level}"
-
-
-def _level(v: Any) -> str:
-    if type(v) is not int or v < 0:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return trtllm_cache_level_medium(v)
-
-
-def _trt_stored(data: dict[str, Any]) -> tuple[KvEvent, ...]:
-    """`stored` -> one BlockStored per block, chained: block i's parent is block i-1's hash, the
-    first's is `parent_hash`. `block_size` is the block's own token count (the last block of an
-    event may be partial, §4.2)."""
-    blocks = data.get("blocks")
-    if type(blocks) is not list:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    prev = _parent(data.get("parent_hash"))
-    out: list[KvEvent] = []
-    for b in blocks:
-        if type(b) is not dict:
-            raise _Drop(DropReason.MALFORMED_EVENT)
-        h = _hash(b.get("block_hash"))
-        toks = b.get("tokens")
-        if toks is None:
-            toks = []
-        if type(toks) is not list:
-            raise _Drop(DropReason.BAD_TOKENS)
-        try:
-            ids = array("I", [t["token_id"] for t in toks])
-        except (TypeError, KeyError, OverflowError, IndexError):
-            raise _Drop(DropReason.BAD_TOKENS) from None
-        # cache_level is always serialized for stored blocks; absent means the primary pool,
-        # where TRT-LLM stores new blocks.
-        level = b.get("cache_level")
-        medium = MEDIUM_GPU if level is None else _level(level)
-        salt = b.get("cache_salt")  # PR #13051; absent before
-        if not _opt_str(salt):
-            raise _Drop(DropReason.MALFORMED_EVENT)
-        out.append(BlockStored((h,), prev, ids, len(ids), medium=medium, cache_salt=salt))
-        prev = h
-    return tuple(out)
-
-
-def _trt_removed(data: dict[str, Any]) -> tuple[KvEvent, ...]:
-    hs = data.get("block_hashes")
-    if type(hs) is not list:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    # TRT-LLM does not say which level a removed block left: None = every medium.
-    return (BlockRemoved(tuple([_hash(h) for h in hs])),)
-
-
-def _trt_updated(data: dict[str, Any]) -> tuple[KvEvent, ...]:
-    h = _hash(data.get("block_hash"))
-    diff = data.get("cache_level")
-    # The C++ diff fields are optional (§4.2, §8): a null/missing cache_level diff is a priority
-    # update only, which moves no tier.
-    if diff is None:
-        raise _Drop(DropReason.NO_TIER_CHANGE)
-    if type(diff) is not dict:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    old, new = diff.get("old_value"), diff.get("new_value")
-    if new is None:
-        raise _Drop(DropReason.NO_TIER_CHANGE)
-    new_medium = _level(new)
-    old_medium = None if old is None else _level(old)
-    if old_medium == new_medium:
-        raise _Drop(DropReason.NO_TIER_CHANGE)
-    return (BlockUpdated(h, old_medium, new_medium),)
-
-
-def _trt_created(data: dict[str, Any]) -> tuple[KvEvent, ...]:
-    n = data.get("num_blocks_per_cache_level")
-    if n is None:
-        n = []
-    if type(n) is not list or not all(type(x) is int for x in n):
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    return (CacheCreated(tuple(n)),)
-
-
-_TRT_HANDLERS: dict[str, Callable[[dict[str, Any]], tuple[KvEvent, ...]]] = {
-    "created": _trt_created,
-    "stored": _trt_stored,
-    "removed": _trt_removed,
-    "updated": _trt_updated,
-}
-
-
-def _trt_data(rec: dict[str, Any]) -> tuple[KvEvent, ...]:
-    ws = rec.get("window_size")
-    dp = rec.get("attention_dp_rank")
-    if not (_opt_int(ws) and _opt_int(dp)):
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    data = rec.get("data")
-    if type(data) is not dict:
-        raise _Drop(DropReason.MALFORMED_EVENT)
-    kind = data.get("type")
-    handler = _TRT_HANDLERS.get(kind) if type(kind) is str else None
-    if handler is None:
-        raise _Drop(DropReason.UNKNOWN_TAG if type(kind) is str else DropReason.MALFORMED_EVENT)
-    return handler(data)
-
-
-def decode_trtllm_events(body: bytes | bytearray | str | list[Any]) -> DecodedTrtllm:
-    """Decode a `trtllm-serve` `POST /kv_cache_events` response (a JSON list of records).
-
-    Raises `DecodeError` (`invalid_json`, or `malformed_batch` for a non-list body). A record
-    without a usable integer `event_id` is dropped and counted; a record whose `data` is bad is
-    kept with no events (its `event_id` still counts for dedupe/gaps) and counted.
-    """
-    if isinstance(body, list):
-        obj: Any = body
-    else:
-        try:
-            obj = json.loads(body)
-        except (ValueError, TypeError, RecursionError):  # ValueError covers UnicodeDecodeError
-            raise DecodeError(DropReason.INVALID_JSON, "body is not JSON") from None
-    if type(obj) is not list:
-        raise DecodeError(DropReason.MALFORMED_BATCH, f"body is a {type(obj).__name__}, not a list")
-    records: list[TrtllmRecord] = []
-    drops: Counter[str] = Counter()
-    for rec in obj:
-        if type(rec) is not dict or type(event_id := rec.get("event_id")) is not int:
-            drops[DropReason.MALFORMED_EVENT] += 1
-            continue
-        try:
-            events = _trt_data(rec)
-        except _Drop as d:
-            drops[d.reason] += 1
-            events = ()
-        except _EVENT_ERRORS:
-            drops[DropReason.MALFORMED_EVENT] += 1
-            events = ()
-        ws, dp = rec.get("window_size"), rec.get("attention_dp_rank")
-        records.append(
-            TrtllmRecord(
-                event_id,
-                ws if type(ws) is int else None,
-                dp if type(dp) is int else None,
-                events,
-            )
-        )
-    return DecodedTrtllm(tuple(records), len(obj), drops)
