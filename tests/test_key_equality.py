@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from array import array
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,33 +20,12 @@ from kv_listener.core.model import Engine, ResolveOutcome, ResolveRequest, Resol
 from kv_listener.core.prefix import content_text, prefix_hash, request_prefix_key
 from kv_listener.resolver.detokenize import HttpDetokenizer
 from kv_listener.resolver.resolver import ChainResolver
-from kv_listener.resolver.template import (
-    PromptParser,
-    learn_from_tokenizer,
-    load_tokenizer,
-)
 from tests.support.detokenize_server import DetokenizeServer
+from tests.support.tokenizers import parser, tokenizer
 
-TOKENIZERS = Path(__file__).resolve().parent.parent / "fixtures" / "tokenizers"
 BLOCK = 16
 SYSTEM_TEMPLATES = ["chatml", "llama3", "llama3-dated", "default-system"]
 ALL_TEMPLATES = [*SYSTEM_TEMPLATES, "no-system"]
-
-_cache: dict[str, Any] = {}
-
-
-def tokenizer(name: str) -> Any:
-    if name not in _cache:
-        _cache[name] = load_tokenizer(TOKENIZERS / name)
-    return _cache[name]
-
-
-def parser(name: str) -> PromptParser:
-    key = f"parser:{name}"
-    if key not in _cache:
-        _cache[key] = PromptParser(learn_from_tokenizer(tokenizer(name), name=name))
-    result: PromptParser = _cache[key]
-    return result
 
 
 # Later turns make sure the first message's end lies inside full blocks (engines publish full

@@ -19,6 +19,8 @@ from kv_listener.config import SourceConfig
 from kv_listener.core.model import Engine, ResolveOutcome, ResolveRequest, ResolveStatus
 from kv_listener.core.prefix import prefix_key, request_prefix_key
 from kv_listener.resolver.detokenize import CircuitBreaker, HttpDetokenizer, LocalDetokenizer
+from kv_listener.resolver.parser import PromptParser
+from kv_listener.resolver.probe import DEMO_TOKENIZER_DIR, load_tokenizer
 from kv_listener.resolver.resolver import (
     BACKLOG_FULL,
     DEFAULT_TEMPLATE_RETRY_S,
@@ -26,32 +28,19 @@ from kv_listener.resolver.resolver import (
     TEMPLATE_RETRIES,
     ChainResolver,
 )
-from kv_listener.resolver.template import (
-    DEMO_TOKENIZER_DIR,
-    PromptParser,
-    learn_from_tokenizer,
-    load_tokenizer,
-)
 from kv_listener.sim.detokenize_server import DetokenizeServer as SimDetokenizeServer
 from kv_listener.sim.detokenize_server import tokenizer_info
 from kv_listener.stats import SourceStats
 from tests.support.detokenize_server import DetokenizeServer
-
-TOKENIZERS = Path(__file__).resolve().parent.parent / "fixtures" / "tokenizers"
-_tok: dict[str, Any] = {}
+from tests.support.tokenizers import TOKENIZERS, parser, tokenizer
 
 
 def chatml() -> Any:
-    if "chatml" not in _tok:
-        _tok["chatml"] = load_tokenizer(TOKENIZERS / "chatml")
-        _tok["parser"] = PromptParser(learn_from_tokenizer(_tok["chatml"], name="chatml"))
-    return _tok["chatml"]
+    return tokenizer("chatml")
 
 
 def chatml_parser() -> PromptParser:
-    chatml()
-    parser: PromptParser = _tok["parser"]
-    return parser
+    return parser("chatml")
 
 
 def tokens_of(messages: list[dict[str, str]]) -> array[int]:
@@ -487,9 +476,7 @@ NO_SYSTEM_BODY: dict[str, Any] = {"model": "tiny",
 
 
 def default_system() -> Any:
-    if "default-system" not in _tok:
-        _tok["default-system"] = load_tokenizer(DEFAULT_SYSTEM_DIR)
-    return _tok["default-system"]
+    return tokenizer("default-system")
 
 
 def no_system_tokens() -> array[int]:

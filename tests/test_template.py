@@ -14,37 +14,18 @@ from transformers import PreTrainedTokenizerFast
 
 from kv_listener.core.model import ResolveStatus
 from kv_listener.core.prefix import prefix_key
-from kv_listener.resolver.template import (
-    BUILTIN_LAYOUTS,
-    ParsedPrompt,
-    PromptParser,
+from kv_listener.resolver.layouts import BUILTIN_LAYOUTS
+from kv_listener.resolver.parser import ParsedPrompt, PromptParser
+from kv_listener.resolver.probe import (
     TemplateProbeError,
-    build_prompt_parser,
     learn_from_template,
-    learn_from_tokenizer,
-    load_tokenizer,
     special_tokens_from_info,
 )
+from kv_listener.resolver.template import build_prompt_parser
+from tests.support.tokenizers import TOKENIZERS, parser, tokenizer
 
-TOKENIZERS = Path(__file__).resolve().parent.parent / "fixtures" / "tokenizers"
 NAMES = ["chatml", "default-system", "llama3", "llama3-dated", "no-system"]
 SYSTEM_OK = ["chatml", "default-system", "llama3", "llama3-dated"]
-
-_cache: dict[str, Any] = {}
-
-
-def tokenizer(name: str) -> Any:
-    if name not in _cache:
-        _cache[name] = load_tokenizer(TOKENIZERS / name)
-    return _cache[name]
-
-
-def parser(name: str) -> PromptParser:
-    key = f"parser:{name}"
-    if key not in _cache:
-        _cache[key] = PromptParser(learn_from_tokenizer(tokenizer(name), name=name))
-    result: PromptParser = _cache[key]
-    return result
 
 
 def render(name: str, messages: list[dict[str, str]], gen: bool = True) -> str:
@@ -472,3 +453,38 @@ def test_decided_at_is_the_shortest_text_that_gives_the_key(
     shorter = p.parse_prompt(text[: at - 1], limit)
     assert shorter.status is not ResolveStatus.RESOLVED or \
         key_of(shorter, limit=limit) != key_of(full, limit=limit)
+
+
+# --- the module split: probe, parser, built-in layouts ------------------------------------------
+
+
+def test_template_module_still_exports_what_callers_import() -> None:
+    # Callers outside the resolver (demo, sim, bench, engine tests) import these from
+    # `resolver.template`; they must be the very objects of the rooms that own them now.
+    from kv_listener.resolver import layouts, probe, template  # noqa: PLC0415
+    from kv_listener.resolver import parser as parser_module  # noqa: PLC0415
+
+    homes = {"BUILTIN_LAYOUTS": layouts, "ChatLayout": layouts, "SystemForm": layouts,
+             "NoKeyReason": parser_module, "ParsedPrompt": parser_module,
+             "PromptParser": parser_module, "REPLACEMENT_CHAR": parser_module,
+             "DEMO_TOKENIZER_DIR": probe, "TemplateProbeError": probe,
+             "learn_from_template": probe, "learn_from_tokenizer": probe, "learn_layout": probe,
+             "load_tokenizer": probe, "special_tokens_from_info": probe}
+    assert set(template.__all__) == {*homes, "build_prompt_parser"}
+    for name, home in homes.items():
+        assert getattr(template, name) is getattr(home, name), name
+    assert (template.DEMO_TOKENIZER_DIR / "tokenizer.json").is_file()
+
+
+def test_parser_does_not_import_the_probe() -> None:
+    # The parser runs for every unsalted chain; the probe (and transformers behind it) is needed
+    # only where a template is learned. Checked in a fresh interpreter.
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    code = ("import sys, kv_listener.resolver.parser, kv_listener.resolver.layouts; "
+            "print(sorted(m for m in sys.modules if m == 'transformers' "
+            "or m.startswith('kv_listener.resolver.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout.strip()
+    assert out == "['kv_listener.resolver.layouts', 'kv_listener.resolver.parser']"
