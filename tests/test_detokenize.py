@@ -7,7 +7,7 @@ import asyncio
 import socket
 import threading
 from array import array
-from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from kv_listener.core.model import Engine
+from kv_listener.resolver import detokenize
 from kv_listener.resolver.detokenize import (
     BreakerState,
     CircuitBreaker,
@@ -29,17 +30,12 @@ from kv_listener.resolver.detokenize import (
     probe_tokenizer_info,
     tokenizer_info_url,
 )
-from kv_listener.resolver.template import load_tokenizer
 from tests.support.detokenize_server import DetokenizeServer
-
-TOKENIZERS = Path(__file__).resolve().parent.parent / "fixtures" / "tokenizers"
-_tok: dict[str, Any] = {}
+from tests.support.tokenizers import TOKENIZERS, tokenizer
 
 
 def chatml() -> Any:
-    if "chatml" not in _tok:
-        _tok["chatml"] = load_tokenizer(TOKENIZERS / "chatml")
-    return _tok["chatml"]
+    return tokenizer("chatml")
 
 
 PROMPT = "<|im_start|>system\nBe kind. 뷁뷁<|im_end|>\n<|im_start|>user\n안녕하세요<|im_end|>\n"
@@ -67,26 +63,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def detokenize_once(url: str, engine: Engine, **kw: Any) -> str:
+    """The text of `prompt_tokens()` from a new client, closed after the call."""
+    client = HttpDetokenizer(url, engine, **kw)
+    try:
+        return await client.detokenize(prompt_tokens())
+    finally:
+        await client.close()
+
+
 # --- wire shapes ----------------------------------------------------------------------------------
 
 
 async def test_vllm_shape() -> None:
     async with DetokenizeServer(chatml(), "vllm") as server:
-        client = HttpDetokenizer(server.url, Engine.VLLM, model="tiny")
-        try:
-            assert await client.detokenize(prompt_tokens()) == PROMPT
-        finally:
-            await client.close()
+        assert await detokenize_once(server.url, Engine.VLLM, model="tiny") == PROMPT
     assert server.requests == [{"model": "tiny", "tokens": prompt_tokens().tolist()}]
 
 
 async def test_sglang_shape_keeps_special_tokens() -> None:
     async with DetokenizeServer(chatml(), "sglang") as server:
-        client = HttpDetokenizer(server.url, Engine.SGLANG, model="tiny")
-        try:
-            assert await client.detokenize(prompt_tokens()) == PROMPT
-        finally:
-            await client.close()
+        assert await detokenize_once(server.url, Engine.SGLANG, model="tiny") == PROMPT
         assert server.requests[0]["skip_special_tokens"] is False
         # Why the flag matters: SGLang's default drops the role markers.
         async with aiohttp.ClientSession() as session, session.post(
@@ -174,6 +171,45 @@ async def test_5xx_after_last_retry() -> None:
         server.script = [502, 502, 502, 502]
         reason, _client = await _fails(server, retries=2)
     assert reason == "http_5xx" and len(server.requests) == 3
+
+
+async def test_retry_pauses_double_up_to_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pauses between attempts come from the shared `Backoff`: `backoff_initial_s`,
+    doubling, capped at `backoff_max_s`, no jitter (as the inline loop it replaced)."""
+    slept: list[float] = []
+
+    async def recording_sleep(delay: float) -> None:
+        slept.append(delay)
+        await asyncio.sleep(delay)
+
+    # Only this module's asyncio is replaced: the servers' and aiohttp's sleeps are left alone.
+    monkeypatch.setattr(detokenize, "asyncio",
+                        SimpleNamespace(sleep=recording_sleep, to_thread=asyncio.to_thread))
+    async with DetokenizeServer(chatml()) as server:
+        server.script = [503] * 6
+        reason, client = await _fails(server, retries=4, backoff_max_s=0.004,
+                                      breaker=CircuitBreaker(failure_threshold=10))
+    assert reason == "http_5xx" and client.attempts == 5
+    assert slept == [0.001, 0.002, 0.004, 0.004]
+    slept.clear()
+    async with DetokenizeServer(chatml()) as server:  # each call starts again from the initial
+        server.script = [503, 503]
+        client = HttpDetokenizer(server.url, Engine.VLLM, retries=2, backoff_initial_s=0.001)
+        try:
+            await client.detokenize(prompt_tokens())
+            assert slept == [0.001, 0.002]
+            server.script = [503]
+            await client.detokenize(prompt_tokens())
+        finally:
+            await client.close()
+    assert slept == [0.001, 0.002, 0.001]
+
+
+@pytest.mark.parametrize(("initial_s", "max_s"), [(0.0, 2.0), (-1.0, 2.0), (0.5, 0.1)])
+def test_bad_backoff_fails_at_construction(initial_s: float, max_s: float) -> None:
+    with pytest.raises(ValueError, match="backoff"):
+        HttpDetokenizer("http://127.0.0.1:1/detokenize", Engine.VLLM,
+                        backoff_initial_s=initial_s, backoff_max_s=max_s)
 
 
 async def test_timeout() -> None:

@@ -4,10 +4,11 @@ Owns: the two wire shapes (vLLM 0.9-0.33 `POST /detokenize` `{"model", "tokens"}
 `{"prompt"}`; SGLang >= 0.5.4 `POST /detokenize` `{"model", "tokens", "skip_special_tokens"}` ->
 `{"text"}`, asked with `skip_special_tokens: false` because its default drops the role markers
 the template parser needs; see wire-formats §2.7 and §3.4), per-call timeouts, retries with
-exponential backoff, a circuit breaker per endpoint, and typed errors whose reason is a metric
-label. The local path decodes with `skip_special_tokens=False` in a worker thread, so the event
-loop never blocks on a tokenizer. Also vLLM's `GET /tokenizer_info`, with its answer classified
-as found, absent (final) or unreachable (transient: ask again later).
+exponential backoff (the shared `kv_listener.backoff.Backoff`), a circuit breaker per endpoint,
+and typed errors whose reason is a metric label. The local path decodes with
+`skip_special_tokens=False` in a worker thread, so the event loop never blocks on a tokenizer.
+Also vLLM's `GET /tokenizer_info`, with its answer classified as found, absent (final) or
+unreachable (transient: ask again later).
 
 Never logs token IDs or decoded text: only the endpoint (scheme, host, port), reasons and counts.
 """
@@ -28,8 +29,9 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import structlog
 
+from kv_listener.backoff import Backoff
 from kv_listener.core.model import Engine
-from kv_listener.resolver.template import load_tokenizer
+from kv_listener.resolver.probe import load_tokenizer
 
 log = structlog.get_logger(__name__)
 
@@ -215,6 +217,7 @@ class HttpDetokenizer:
         self.model = model
         self.timeout_s = timeout_s
         self.retries = max(0, retries)
+        Backoff(backoff_initial_s, backoff_max_s)  # bad delays fail here, not at a first retry
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
         self.breaker = breaker if breaker is not None else CircuitBreaker()
@@ -255,8 +258,7 @@ class HttpDetokenizer:
     async def _call(self, url: str, payload: dict[str, Any]) -> Any:
         """POST `payload` to `url` with retries (retriable failures only) behind the breaker;
         the parsed JSON answer."""
-        delay = self.backoff_initial_s
-        attempt = 0
+        backoff: Backoff | None = None  # made at the first retry: most calls never need one
         while True:
             if not self.breaker.allow():
                 raise DetokenizeError(DetokenizeErrorReason.CIRCUIT_OPEN)
@@ -269,12 +271,13 @@ class HttpDetokenizer:
                 if self.breaker.record_failure():
                     log.warning("detokenize_circuit_open", endpoint=self._label,
                                 reason=exc.reason.value, cooldown_s=self.breaker.cooldown_s)
-                if attempt >= self.retries or self.breaker.state is not BreakerState.CLOSED:
+                if backoff is None:
+                    backoff = Backoff(self.backoff_initial_s, self.backoff_max_s)
+                if backoff.failures >= self.retries or \
+                        self.breaker.state is not BreakerState.CLOSED:
                     raise
-                attempt += 1
                 # A designed pause between attempts (nothing to await instead).
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, self.backoff_max_s)
+                await asyncio.sleep(backoff.next_delay())
                 continue
             if self.breaker.state is not BreakerState.CLOSED:
                 log.info("detokenize_circuit_closed", endpoint=self._label)
