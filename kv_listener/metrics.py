@@ -40,6 +40,7 @@ class SourceView:
     backend: str
     stats: SourceStats
     tracker: Mapping[str, int] = field(default_factory=dict)  # blocks_tracked, tokens_retained, ...
+    queue_depth: int = 0  # batches in the source's queue when the view was taken
 
 
 @dataclass(slots=True)
@@ -97,6 +98,29 @@ def _known_reasons(attr: str, engine: str) -> tuple[str, ...]:
             "poll_errors": _POLL_REASONS if trtllm else ()}.get(attr, ())
 
 
+def _engine_up(v: SourceView) -> float | None:
+    if v.stats.engine_state == "off":
+        return None  # not watched: no series rather than a made-up value
+    return 0.0 if v.stats.engine_state == "down" else 1.0
+
+
+# name, help, the value of a source (None: no sample for it); in the order they are exposed
+_SOURCE_GAUGES: tuple[tuple[str, str, Callable[[SourceView], float | None]], ...] = (
+    ("source_ready", "1 when the source is connected (ZMQ) or polled successfully (TRT-LLM).",
+     lambda v: 1.0 if v.stats.ready else 0.0),
+    ("last_event_timestamp_seconds", "Wall-clock time of the last decoded batch.",
+     lambda v: v.stats.last_event_at),
+    ("queue_depth", "Batches waiting between a source and the tracker.",
+     lambda v: v.queue_depth),
+    ("engine_up",
+     "1 while the engine shows signs of life (health check, batches, polls), 0 once it was "
+     "declared down (engine_down_after); absent for sources whose engine is not watched.",
+     _engine_up),
+    ("publishers_connected",
+     "ZMQ connections of the engine whose handshake succeeded and that are still up (one "
+     "per DP rank publishing); 0: no engine connected (GET /readyz/{backend} is 503).",
+     lambda v: None if v.stats.engine == "trtllm" else v.stats.publishers_connected),
+)
 _TRACKER_GAUGES: tuple[tuple[str, str], ...] = (
     ("blocks_tracked", "Block records held by the tracker."),
     ("tokens_retained", "Token IDs retained for detokenization (4 bytes each)."),
@@ -148,10 +172,8 @@ class ListenerCollector(Collector):
         yield info
 
         for name, doc, attr in _SOURCE_COUNTERS:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["backend"])
-            for v in views:
-                c.add_metric([v.backend], float(getattr(v.stats, attr)))
-            yield c
+            yield _by_backend(CounterMetricFamily, name, doc,
+                              [(v.backend, getattr(v.stats, attr)) for v in views])
         for name, doc, attr in _SOURCE_REASON_COUNTERS:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["backend", "reason"])
             for v in views:
@@ -163,80 +185,29 @@ class ListenerCollector(Collector):
                     c.add_metric([v.backend, str(reason)], float(n))
             yield c
 
-        ready = GaugeMetricFamily(
-            PREFIX + "source_ready",
-            "1 when the source is connected (ZMQ) or polled successfully (TRT-LLM).",
-            labels=["backend"],
-        )
-        last = GaugeMetricFamily(
-            PREFIX + "last_event_timestamp_seconds",
-            "Wall-clock time of the last decoded batch.",
-            labels=["backend"],
-        )
-        depth = GaugeMetricFamily(
-            PREFIX + "queue_depth", "Batches waiting between a source and the tracker.", labels=["backend"]
-        )
-        engine_up = GaugeMetricFamily(
-            PREFIX + "engine_up",
-            "1 while the engine shows signs of life (health check, batches, polls), 0 once it was "
-            "declared down (engine_down_after); absent for sources whose engine is not watched.",
-            labels=["backend"],
-        )
-        publishers = GaugeMetricFamily(
-            PREFIX + "publishers_connected",
-            "ZMQ connections of the engine whose handshake succeeded and that are still up (one "
-            "per DP rank publishing); 0: no engine connected (GET /readyz/{backend} is 503).",
-            labels=["backend"],
-        )
-        for v in views:
-            if v.stats.engine != "trtllm":
-                publishers.add_metric([v.backend], float(v.stats.publishers_connected))
-            if v.stats.engine_state != "off":
-                engine_up.add_metric([v.backend], 0.0 if v.stats.engine_state == "down" else 1.0)
-            ready.add_metric([v.backend], 1.0 if v.stats.ready else 0.0)
-            if v.stats.last_event_at is not None:
-                last.add_metric([v.backend], v.stats.last_event_at)
-            depth.add_metric([v.backend], float(v.stats.queue_depth))
-        yield ready
-        yield last
-        yield depth
-        yield engine_up
-        yield publishers
-
+        for name, doc, read in _SOURCE_GAUGES:
+            yield _by_backend(GaugeMetricFamily, name, doc, [(v.backend, read(v)) for v in views])
         for name, doc in _TRACKER_GAUGES + _LIMIT_GAUGES:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["backend"])
-            for v in views:
-                if name in v.tracker:
-                    g.add_metric([v.backend], float(v.tracker[name]))
-            yield g
+            yield _by_backend(GaugeMetricFamily, name, doc,
+                              [(v.backend, v.tracker.get(name)) for v in views])
         for name, doc in _TRACKER_COUNTERS:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["backend"])
-            for v in views:
-                if name in v.tracker:
-                    c.add_metric([v.backend], float(v.tracker[name]))
-            yield c
+            yield _by_backend(CounterMetricFamily, name, doc,
+                              [(v.backend, v.tracker.get(name)) for v in views])
 
         streams = list(self._streams())
-        clients = GaugeMetricFamily(
-            PREFIX + "sse_clients", "Open event streams (SSE and push).", labels=["backend"]
-        )
-        overflow = CounterMetricFamily(
-            PREFIX + "buffer_overflows",
-            "Consumers cut off for lagging more than max_lag records.",
-            labels=["backend"],
-        )
+        yield _by_backend(GaugeMetricFamily, "sse_clients", "Open event streams (SSE and push).",
+                          [(s.backend, s.clients) for s in streams])
+        yield _by_backend(CounterMetricFamily, "buffer_overflows",
+                          "Consumers cut off for lagging more than max_lag records.",
+                          [(s.backend, s.overflows) for s in streams])
         records = CounterMetricFamily(
             PREFIX + "records",
             "Prefix event records written to the backend's event log, by event.",
             labels=["backend", "event"],
         )
         for s in streams:
-            clients.add_metric([s.backend], float(s.clients))
-            overflow.add_metric([s.backend], float(s.overflows))
             for event, n in sorted(s.records.items()):
                 records.add_metric([s.backend, event], float(n))
-        yield clients
-        yield overflow
         yield records
 
         bus = self._bus()
@@ -263,6 +234,16 @@ class ListenerCollector(Collector):
             for reason, n in sorted(counts.items()):
                 c.add_metric([str(reason)], float(n))
             yield c
+
+
+def _by_backend(family: type[CounterMetricFamily | GaugeMetricFamily], name: str, doc: str,
+                samples: Iterable[tuple[str, float | None]]) -> Metric:
+    """One metric family labelled by backend; a None value is no sample for that backend."""
+    metric = family(PREFIX + name, doc, labels=["backend"])
+    for backend, value in samples:
+        if value is not None:
+            metric.add_metric([backend], float(value))
+    return metric
 
 
 def add_process_collectors(registry: CollectorRegistry) -> CollectorRegistry:

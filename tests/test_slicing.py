@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kv_listener.app import SourceRuntime
 from kv_listener.config import parse_config
 from kv_listener.core.limits import Limits
 from kv_listener.core.model import BlockRemoved, BlockStored, Engine, EventBatch, KvEvent
@@ -22,6 +21,7 @@ from kv_listener.core.salt import issue_cache_salt, verify_cache_salt
 from kv_listener.core.slicing import pieces
 from kv_listener.core.tracker import Tracker
 from kv_listener.outputs.streams import StreamHub
+from kv_listener.runtime import SourceRuntime
 from tests.conftest import free_port
 
 SECRET, BACKEND, BS = b"slicing-secret", "vllm-1", 4

@@ -8,11 +8,11 @@ import asyncio
 import pytest
 from structlog.testing import capture_logs
 
-from kv_listener import app as app_module
-from kv_listener.app import SourceRuntime
+from kv_listener import runtime as runtime_module
 from kv_listener.config import parse_config
 from kv_listener.core.model import ClearReason
 from kv_listener.outputs.streams import StreamHub
+from kv_listener.runtime import SourceRuntime
 from kv_listener.sources.zmq import ZmqSource
 from tests.conftest import free_port
 
@@ -26,7 +26,7 @@ class Crashing:
 
 async def test_crashed_source_restarts_with_backoff_and_a_clear(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(app_module, "RESTART_BACKOFF_S", (0.01, 0.04))
+    monkeypatch.setattr(runtime_module, "RESTART_BACKOFF_S", (0.01, 0.04))
     cfg = parse_config({"sources": [{"backend_name": "vllm-1", "engine": "vllm", "model": "m",
                                      "zmq_endpoint": f"tcp://127.0.0.1:{free_port()}"}]})
     hub = StreamHub.from_config(cfg)

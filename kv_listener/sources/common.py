@@ -2,7 +2,7 @@
 
 `QueueFeeder` is the only way a source puts items on its bounded queue: it never waits for the
 consumer (`put_nowait`); when the queue is full (in batches, or in the token IDs its batches hold:
-`MAX_QUEUED_TOKENS`, counted in `stats.queued_tokens`, which the consumer lowers with
+`MAX_QUEUED_TOKENS`, counted in `stats.queued_tokens`, which the runtime's pump lowers with
 `batch_tokens` as it takes them) the item is dropped and counted, and once there is room again a
 `SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent.
 
@@ -63,6 +63,7 @@ class QueueFeeder:
 
     def put(self, item: SourceItem) -> bool:
         """Queue `item` (after the pending overflow clear, if any). False when it was dropped."""
+        stats = self._stats
         if self._overflowed:
             try:
                 self._queue.put_nowait(SourceCleared(ClearReason.OVERFLOW))
@@ -70,30 +71,28 @@ class QueueFeeder:
                 self._drop(item)
                 return False
             self._overflowed = False
-            self._stats.clears[ClearReason.OVERFLOW.value] += 1
+            stats.cleared(ClearReason.OVERFLOW.value)
             log.warning("source_overflow_cleared", backend=self._backend)
         n = batch_tokens(item)
         try:
-            if n and self._stats.queued_tokens and self._stats.queued_tokens + n > self._max_tokens:
+            if n and stats.queued_tokens and stats.queued_tokens + n > self._max_tokens:
                 raise asyncio.QueueFull
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
             self._overflowed = True
             log.warning("source_queue_full", backend=self._backend, maxsize=self._queue.maxsize,
-                        queued_tokens=self._stats.queued_tokens)
+                        queued_tokens=stats.queued_tokens)
             self._drop(item)
             return False
-        self._stats.queued_tokens += n
+        stats.tokens_queued(n)
         if isinstance(item, SourceCleared):
-            self._stats.clears[item.reason.value] += 1
-        self._stats.queue_depth = self._queue.qsize()
+            stats.cleared(item.reason.value)
         return True
 
     def _drop(self, item: SourceItem) -> None:
         # A dropped SourceCleared needs no count of its own: the overflow clear supersedes it.
         if isinstance(item, EventBatch):
-            self._stats.events_dropped[SourceDropReason.QUEUE_OVERFLOW.value] += max(1, len(item.events))
-        self._stats.queue_depth = self._queue.qsize()
+            self._stats.dropped(SourceDropReason.QUEUE_OVERFLOW.value, max(1, len(item.events)))
 
 
 def parse_address(text: str) -> IPAddress | None:

@@ -58,7 +58,7 @@ class EngineWatch:
         self.probe_failures = 0
 
     async def run(self) -> None:
-        self.stats.engine_state = self.liveness.state.value
+        self.stats.engine_is(self.liveness.state.value)
         batches = self.stats.batches_received
         polled = self.stats.last_ok_at
         session = aiohttp.ClientSession() if self.url is not None else None
@@ -70,7 +70,8 @@ class EngineWatch:
                     self.stats.last_ok_at is not None and self.stats.last_ok_at != polled)
                 batches, polled = self.stats.batches_received, self.stats.last_ok_at
                 change = self.liveness.alive(now) if sign else self.liveness.check(now)
-                self.stats.engine_state = self.liveness.state.value
+                self.stats.engine_is(self.liveness.state.value,
+                                     went_down=change is LivenessChange.WENT_DOWN)
                 if change is not None:
                     self._report(change, now)
                 # A designed period between checks: there is nothing to await instead.
@@ -81,7 +82,6 @@ class EngineWatch:
 
     def _report(self, change: LivenessChange, now: float) -> None:
         if change is LivenessChange.WENT_DOWN:
-            self.stats.engine_downs += 1
             self._log.warning("engine_down", endpoint=self._label,
                               silent_for_s=round(self.liveness.silent_for(now), 1),
                               down_after_s=self.liveness.down_after_s)

@@ -40,6 +40,7 @@ import structlog
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
 
+from kv_listener.backoff import Backoff
 from kv_listener.config import SourceConfig, host_allowed
 from kv_listener.core.decode import DecodeError, decode_trtllm_events
 from kv_listener.core.model import Engine, SourceItem
@@ -62,11 +63,21 @@ class PollErrorReason(enum.StrEnum):
     PEER_NOT_ALLOWED = "peer_not_allowed"  # the answering address is not in allowed_publishers
 
 
+def poll_backoff(interval_s: float, max_s: float) -> Backoff:
+    """The delays after 1, 2, 3... consecutive failed polls: twice the poll interval, doubling
+    up to `max_s` (the interval itself once a poll succeeds); no jitter: one poller per server."""
+    return Backoff(min(2 * interval_s, max_s), max_s)
+
+
 def backoff_delay(interval_s: float, failures: int, max_s: float) -> float:
     """Delay before the next poll after `failures` consecutive failures (0: the interval)."""
     if failures <= 0:
         return interval_s
-    return min(max_s, interval_s * float(2 ** min(failures, 62)))
+    backoff = poll_backoff(interval_s, max_s)
+    # Past 62 doublings every delay is the cap: no need to step further.
+    for _ in range(min(failures, 62) - 1):
+        backoff.next_delay()
+    return backoff.next_delay()
 
 
 class _PollError(Exception):
@@ -97,16 +108,9 @@ class TrtllmSource:
     `max_backoff_s`, `max_body_bytes`.
     """
 
-    def __init__(
-        self,
-        config: SourceConfig,
-        queue: asyncio.Queue[SourceItem],
-        stats: SourceStats,
-        *,
-        request_timeout_s: float = 10.0,
-        max_backoff_s: float = 30.0,
-        max_body_bytes: int = 64 * 1024 * 1024,
-    ) -> None:
+    def __init__(self, config: SourceConfig, queue: asyncio.Queue[SourceItem], stats: SourceStats,
+                 *, request_timeout_s: float = 10.0, max_backoff_s: float = 30.0,
+                 max_body_bytes: int = 64 * 1024 * 1024) -> None:
         if config.engine is not Engine.TRTLLM:
             raise ValueError(f"{config.backend_name}: TrtllmSource is for trtllm, not {config.engine}")
         if config.trtllm_endpoint is None:
@@ -132,10 +136,11 @@ class TrtllmSource:
         # The poller must look a few times within the liveness window: with a longer pause a
         # brief run of failed polls (the endpoint flapping) would be declared engine_down and
         # clear a cache the engine still holds, which drain-on-read events cannot rebuild.
-        self._max_backoff_s = (max_backoff_s if down_after is None else
-                               min(max_backoff_s, max(config.poll_interval_s, down_after / 4)))
+        max_backoff_s = (max_backoff_s if down_after is None else
+                         min(max_backoff_s, max(config.poll_interval_s, down_after / 4)))
+        self._backoff = poll_backoff(config.poll_interval_s, max_backoff_s)
+        self._next_delay_s = config.poll_interval_s
         self._max_body = max_body_bytes
-        self._failures = 0
         self._inflight_since: float | None = None
         self._log = log.bind(backend=config.backend_name)
         self._cond = asyncio.Condition()
@@ -145,11 +150,12 @@ class TrtllmSource:
     @property
     def failures(self) -> int:
         """Consecutive failed polls (0 after a success)."""
-        return self._failures
+        return self._backoff.failures
 
     @property
     def next_delay_s(self) -> float:
-        return backoff_delay(self.config.poll_interval_s, self._failures, self._max_backoff_s)
+        """The pause before the next poll: the interval, or the backoff after failed polls."""
+        return self._next_delay_s
 
     def is_ready(self, now: float | None = None) -> bool:
         """The last poll succeeded and one succeeded (or started) within three intervals."""
@@ -185,7 +191,7 @@ class TrtllmSource:
                     await self._poll(session)
                     await asyncio.sleep(self.next_delay_s)
         finally:
-            self.stats.ready = False
+            self.stats.attached(False)
 
     async def _poll(self, session: aiohttp.ClientSession) -> None:
         self._inflight_since = time.monotonic()
@@ -198,19 +204,17 @@ class TrtllmSource:
             self._failed(PollErrorReason.INVALID_BODY, exc.reason.value)
         else:
             self._succeeded()
-            self.stats.events_received += decoded.raw_events
-            for reason, n in decoded.drops.items():
-                self.stats.events_dropped[str(reason)] += n
-            if decoded.records:
+            if not decoded.records:
+                self.stats.received(decoded.raw_events, 0, decoded.drops, None)
+            else:
                 now = time.time()
-                self.stats.events_decoded += sum(len(r.events) for r in decoded.records)
-                self.stats.last_event_at = now
+                self.stats.received(decoded.raw_events,
+                                    sum(len(r.events) for r in decoded.records), decoded.drops, now)
                 out = self._stream.accept(decoded.records, ts=now)
-                self.stats.gaps += out.gaps
                 if out.gaps:
+                    self.stats.gap_found(out.gaps)
                     self._log.warning("trtllm_event_gap", gaps=out.gaps)
-                for reason, n in out.drops.items():
-                    self.stats.events_dropped[reason] += n
+                self.stats.dropped_by_reason(out.drops)
                 for item in out.items:
                     self._feeder.put(item)
         finally:
@@ -247,19 +251,18 @@ class TrtllmSource:
             raise _connection_error(exc) from None
 
     def _failed(self, reason: PollErrorReason, detail: str, errno: int | None = None) -> None:
-        self.stats.poll_errors[reason.value] += 1
-        self.stats.ready = False
-        self._failures += 1
+        self.stats.poll_failed(reason.value)
+        self._next_delay_s = self._backoff.next_delay()
         self._log.warning("trtllm_poll_failed", url=self._logged_url, reason=reason.value,
-                          detail=detail, errno=errno, failures=self._failures,
-                          retry_in_s=round(self.next_delay_s, 3))
+                          detail=detail, errno=errno, failures=self._backoff.failures,
+                          retry_in_s=round(self._next_delay_s, 3))
 
     def _succeeded(self) -> None:
-        if self._failures:
-            self._log.info("trtllm_poll_recovered", after_failures=self._failures)
-        self._failures = 0
-        self.stats.ready = True
-        self.stats.last_ok_at = time.monotonic()
+        if self._backoff.failures:
+            self._log.info("trtllm_poll_recovered", after_failures=self._backoff.failures)
+        self._backoff.reset()
+        self._next_delay_s = self.config.poll_interval_s
+        self.stats.poll_succeeded(time.monotonic())
 
 
 class PeerNotAllowed(OSError):
@@ -283,7 +286,7 @@ class AllowListResolver(AbstractResolver):
         results = await self._inner.resolve(host, port, family)
         kept = [r for r in results if await self._allow.check(r["host"])]
         if not kept:
-            self._stats.refused_publishers += 1
+            self._stats.publisher_refused()
             raise PeerNotAllowed(f"{host} resolved to no allowed address")
         return kept
 

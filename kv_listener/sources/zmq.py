@@ -42,6 +42,7 @@ import zmq.asyncio
 from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils.monitor import parse_monitor_message
 
+from kv_listener.backoff import Backoff
 from kv_listener.config import SourceConfig
 from kv_listener.core.decode import DecodeError, decode_zmq_payload
 from kv_listener.core.model import ClearReason, Engine, SourceCleared, SourceItem
@@ -66,6 +67,8 @@ log = structlog.get_logger(__name__)
 #: sockets that have a domain.
 ZAP_DOMAIN = b"continuum-kv-listener"
 _MAX_LOGGED_PEERS = 1024
+#: Retries of a bind/connect that failed: from the first delay, doubling up to the second.
+_BIND_RETRY_S = 0.5
 _BIND_RETRY_MAX_S = 30.0
 #: Payloads above this are decoded in a worker thread (about 2-5 ms of decoding in the loop).
 _THREAD_DECODE_BYTES = 64 << 10
@@ -87,14 +90,8 @@ class _AllowListAuthenticator(AsyncioAuthenticator):
     """ZAP handler that checks the peer address against `PublisherAllowList` (IPs, CIDR
     networks, host names); zmq.auth's own allow-list is exact IP strings only."""
 
-    def __init__(
-        self,
-        context: zmq.asyncio.Context,
-        allow: PublisherAllowList,
-        stats: SourceStats,
-        backend: str,
-        on_refused: asyncio.Event,
-    ) -> None:
+    def __init__(self, context: zmq.asyncio.Context, allow: PublisherAllowList, stats: SourceStats,
+                 backend: str, on_refused: asyncio.Event) -> None:
         super().__init__(context)
         self._allow = allow
         self._stats = stats
@@ -117,7 +114,7 @@ class _AllowListAuthenticator(AsyncioAuthenticator):
         if await self._allow.check(address):
             self._send_zap_reply(request_id, b"200", b"OK", "anonymous")
             return
-        self._stats.refused_publishers += 1
+        self._stats.publisher_refused()
         if address not in self._logged and len(self._logged) < _MAX_LOGGED_PEERS:
             self._logged.add(address)
             log.warning("zmq_publisher_refused", backend=self._backend, peer=address)
@@ -136,16 +133,9 @@ class ZmqSource:
     `rcvhwm` is the SUB socket's high-water mark.
     """
 
-    def __init__(
-        self,
-        config: SourceConfig,
-        queue: asyncio.Queue[SourceItem],
-        stats: SourceStats,
-        *,
-        replay_timeout_s: float = 5.0,
-        max_replay_backlog: int = 4096,
-        rcvhwm: int = 100_000,
-    ) -> None:
+    def __init__(self, config: SourceConfig, queue: asyncio.Queue[SourceItem], stats: SourceStats,
+                 *, replay_timeout_s: float = 5.0, max_replay_backlog: int = 4096,
+                 rcvhwm: int = 100_000) -> None:
         if config.engine not in (Engine.VLLM, Engine.SGLANG):
             raise ValueError(f"{config.backend_name}: ZmqSource is for vllm/sglang, not {config.engine}")
         if config.zmq_endpoint is None:
@@ -193,9 +183,8 @@ class ZmqSource:
             if self._uses_zap:
                 allow = PublisherAllowList(self.config.allowed_publishers)
                 await allow.refresh()
-                auth = _AllowListAuthenticator(
-                    ctx, allow, self.stats, self.config.backend_name, self.peer_refused
-                )
+                auth = _AllowListAuthenticator(ctx, allow, self.stats, self.config.backend_name,
+                                               self.peer_refused)
                 auth.start()
             sub = ctx.socket(zmq.SUB)
             sub.linger = 0
@@ -211,7 +200,7 @@ class ZmqSource:
             await self._attach(sub)
             if self.config.replay_endpoint is not None:
                 self._dealer = self._new_dealer()
-            self.stats.ready = True
+            self.stats.attached(True)
             self.ready.set()
             self._log.info("zmq_source_ready", endpoint=self.endpoint, mode=self.config.zmq_mode)
             if self._dealer is not None:
@@ -220,7 +209,7 @@ class ZmqSource:
                 frames = self._backlog.popleft() if self._backlog else await self._recv_live(sub)
                 await self._handle(sub, frames)
         finally:
-            self.stats.ready = False
+            self.stats.attached(False)
             self.ready.clear()
             if monitor is not None:
                 monitor.cancel()
@@ -239,7 +228,7 @@ class ZmqSource:
     async def _attach(self, sub: zmq.asyncio.Socket) -> None:
         endpoint = self.config.zmq_endpoint
         assert endpoint is not None
-        delay = 0.5
+        backoff = Backoff(_BIND_RETRY_S, _BIND_RETRY_MAX_S)
         while True:
             try:
                 if self.config.zmq_mode == "bind":
@@ -258,10 +247,10 @@ class ZmqSource:
                 self.attach_error = (f"cannot {self.config.zmq_mode} {endpoint}: "
                                      f"{zmq.strerror(exc.errno or 0)}")
                 self.first_attach.set()
+                delay = backoff.next_delay()
                 self._log.error("zmq_attach_failed", endpoint=endpoint, mode=self.config.zmq_mode,
                                 error=exc.strerror, errno=exc.errno, retry_in_s=delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, _BIND_RETRY_MAX_S)
 
     @property
     def _socket_cap(self) -> int:
@@ -299,7 +288,7 @@ class ZmqSource:
                 if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     if shaking:
                         peers.add(shaking.pop(0))
-                    self.stats.publishers_connected = len(peers)
+                    self.stats.publishers_now(len(peers))
                     self._log.info("zmq_publisher_connected", endpoint=self.endpoint,
                                    mode=self.config.zmq_mode, publishers=len(peers))
                     continue
@@ -309,8 +298,7 @@ class ZmqSource:
                     shaking.remove(fd)  # refused by allowed_publishers, or never finished
                 else:
                     peers.discard(fd)
-                    self.stats.publishers_connected = len(peers)
-                    self.stats.zmq_disconnects += 1
+                    self.stats.publishers_now(len(peers), lost=True)
                     self._log.warning("zmq_disconnected", endpoint=self.endpoint,
                                       mode=self.config.zmq_mode, publishers=len(peers),
                                       max_frame_bytes=self._socket_cap)
@@ -321,7 +309,7 @@ class ZmqSource:
                         sub.disconnect(self.endpoint)
                     sub.connect(self.endpoint)
         finally:
-            self.stats.publishers_connected = 0
+            self.stats.publishers_now(0)
             sub.disable_monitor()
             mon.close(linger=0)
 
@@ -360,17 +348,14 @@ class ZmqSource:
 
     # --- live batches -------------------------------------------------------------------
 
-    def _drop(self, reason: str, n: int = 1) -> None:
-        self.stats.events_dropped[reason] += n
-
     async def _handle(self, sub: zmq.asyncio.Socket, frames: list[bytes]) -> None:
         try:
             _topic, seq, payload = parse_event_frames(frames)
         except FrameError as exc:
-            self._drop(exc.reason.value)
+            self.stats.dropped(exc.reason.value)
             self._log.warning("zmq_bad_message", reason=exc.reason.value, detail=str(exc))
             return
-        self.stats.batches_received += 1
+        self.stats.frame_received()
         if self._new_stream:
             self._new_stream = False
             self._seq.reset()
@@ -393,7 +378,7 @@ class ZmqSource:
         if len(payload) > limits.max_message_bytes:
             # Dropped on receipt and counted, like an undecodable batch; a frame over the socket
             # cap (ZMQ_MAXMSGSIZE) never gets here: libzmq drops the connection instead.
-            self._drop(SourceDropReason.MESSAGE_TOO_LARGE.value)
+            self.stats.dropped(SourceDropReason.MESSAGE_TOO_LARGE.value)
             self._log.warning("zmq_batch_too_large", seq=seq, bytes=len(payload),
                               max_message_bytes=limits.max_message_bytes)
             return
@@ -411,14 +396,11 @@ class ZmqSource:
                                              max_event_tokens=limits.max_event_tokens,
                                              max_event_hashes=limits.max_event_hashes)
         except DecodeError as exc:
-            self._drop(exc.reason.value)
+            self.stats.dropped(exc.reason.value)
             self._log.warning("zmq_batch_undecodable", reason=exc.reason.value, seq=seq)
             return
-        self.stats.events_received += decoded.raw_events
-        self.stats.events_decoded += len(decoded.batch.events)
-        for reason, n in decoded.drops.items():
-            self._drop(str(reason), n)
-        self.stats.last_event_at = time.time()
+        self.stats.received(decoded.raw_events, len(decoded.batch.events), decoded.drops,
+                            time.time())
         if decoded.batch.events:
             self._feeder.put(decoded.batch)
 
@@ -439,16 +421,15 @@ class ZmqSource:
                 break  # a hole: the rest cannot be applied in order
             await self._apply(seq, payload)
             applied.append(seq)
-        st = self.stats
         if not applied:
             self._seq.expect(0)
-            st.startup_replay = "empty" if status is ReplayStatus.COMPLETE else status.value
-            self._log.info("zmq_startup_replay", status=st.startup_replay, batches=0)
+            outcome = "empty" if status is ReplayStatus.COMPLETE else status.value
+            self.stats.startup_replayed(outcome)
+            self._log.info("zmq_startup_replay", status=outcome, batches=0)
             return
         self._seq.expect(applied[-1] + 1)
-        st.startup_replay = "exact" if applied[0] == 0 else "partial"
-        st.startup_replay_batches = len(applied)
-        st.startup_replay_from_seq = applied[0]
+        self.stats.startup_replayed("exact" if applied[0] == 0 else "partial", len(applied),
+                                    applied[0])
         kept: deque[list[bytes]] = deque()
         for frames in self._backlog:
             try:
@@ -483,19 +464,19 @@ class ZmqSource:
         run.reverse()
         for batch_seq, payload in run:
             await self._apply(batch_seq, payload)
-        if run and run[0][0] == 0:
-            self.stats.replays += 1
+        covered = bool(run) and run[0][0] == 0
+        self.stats.replay_ended(covered=covered)
+        if covered:
             self._log.info("zmq_restart_replayed", got=seq, batches=len(run), status="exact")
         else:
             # What the buffer no longer holds stays unknown until stored again, as after a gap.
-            self.stats.replay_failures += 1
             self._log.warning("zmq_restart_replayed", got=seq, batches=len(run),
                               status="partial" if run else status.value)
 
     async def _fill_gap(self, sub: zmq.asyncio.Socket, decision: SeqDecision, payload: bytes) -> None:
         expected = decision.expected
         assert expected is not None
-        self.stats.gaps += 1
+        self.stats.gap_found()
         self._log.warning("zmq_gap", expected=expected, got=decision.got,
                           replay=self.config.replay_endpoint is not None)
         if self._dealer is None and self.config.replay_endpoint is not None:
@@ -508,12 +489,12 @@ class ZmqSource:
         plan = self._seq.fill_gap(decision, payload, replayed, status)
         if plan.clear:
             if plan.outcome is not GapOutcome.NO_REPLAY:
-                self.stats.replay_failures += 1
+                self.stats.replay_ended(covered=False)
             self._log.warning("zmq_gap_cleared", expected=expected, got=decision.got,
                               outcome=plan.outcome.value)
             self._feeder.put(SourceCleared(ClearReason.GAP))
         else:
-            self.stats.replays += 1
+            self.stats.replay_ended(covered=True)
             self._log.info("zmq_gap_replayed", expected=expected, got=decision.got)
         for seq, item in plan.batches:
             await self._apply(seq, item)
@@ -550,7 +531,7 @@ class ZmqSource:
                         self._backlog.append(frames)
                     else:
                         # Lost like a high-water-mark drop: the next batch shows a gap again.
-                        self._drop(SourceDropReason.REPLAY_BACKLOG_OVERFLOW.value)
+                        self.stats.dropped(SourceDropReason.REPLAY_BACKLOG_OVERFLOW.value)
                 if send_fut is not None and send_fut in done:
                     send_fut.result()
                     send_fut = None
@@ -560,7 +541,7 @@ class ZmqSource:
                     try:
                         reply = parse_replay_frames(frames)
                     except FrameError as exc:
-                        self._drop(exc.reason.value)
+                        self.stats.dropped(exc.reason.value)
                         continue
                     if reply is None:
                         status = ReplayStatus.COMPLETE
