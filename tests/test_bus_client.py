@@ -27,12 +27,13 @@ import h2.events
 import h2.settings
 import pytest
 
+from kv_listener.backoff import Backoff
 from kv_listener.config import EventBusConfig
 from kv_listener.core import bus_protocol as bp
 from kv_listener.core.bus_protocol import Subscribe, Unsubscribe, Welcome
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import SseEvent, SseParser
-from kv_listener.outputs.bus_client import Backoff, BusClient, BusFailure, PushEnd
+from kv_listener.outputs.bus_client import BACKOFF_JITTER, BusClient, BusFailure, PushEnd
 from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.bus_server import NoSession, StreamEndReason
@@ -343,11 +344,11 @@ async def test_backoff_resets_after_a_session_welcome_for_30_s(
 
 
 def test_backoff_doubles_to_max_with_jitter_below() -> None:
-    b = Backoff(1.0, 8.0, rng=lambda: 0.0)
+    b = Backoff(1.0, 8.0, jitter=BACKOFF_JITTER, rng=lambda: 0.0)
     assert [b.next_delay() for _ in range(6)] == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
     b.reset()
     assert b.next_delay() == 1.0
-    worst = Backoff(1.0, 8.0, rng=lambda: 1.0)
+    worst = Backoff(1.0, 8.0, jitter=BACKOFF_JITTER, rng=lambda: 1.0)
     assert [worst.next_delay() for _ in range(5)] == pytest.approx([0.8, 1.6, 3.2, 6.4, 6.4])
 
 

@@ -20,7 +20,8 @@ from hpack import HeaderTuple
 from kv_listener.core import bus_protocol as bp
 from kv_listener.core.bus_protocol import Forbidden, Role, Subscribe, Unsubscribe, Welcome
 from kv_listener.core.sse import SseParser
-from kv_listener.outputs.bus_client import BusError, _H2Connection, open_tls
+from kv_listener.outputs.bus_h2 import BusError, open_tls
+from kv_listener.outputs.bus_h2 import H2Connection as _H2Connection
 from kv_listener.router.bus_server import (
     EventBusServer,
     NoSession,

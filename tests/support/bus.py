@@ -19,7 +19,8 @@ from hpack import HeaderTuple
 from kv_listener.config import BackoffConfig, EventBusConfig
 from kv_listener.core import bus_protocol as bp
 from kv_listener.core.bus_protocol import Hello, Role
-from kv_listener.outputs.bus_client import _H2Connection, open_tls
+from kv_listener.outputs.bus_h2 import H2Connection as _H2Connection
+from kv_listener.outputs.bus_h2 import open_tls
 from kv_listener.router.bus_server import Broker, EventBusServer, SecurityFailure, TlsFiles
 from tests.support.tls import CertFiles, TlsMaterial
 
