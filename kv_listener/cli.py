@@ -23,13 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from kv_listener import __version__
-from kv_listener.config import (
-    LISTENER_TOP_KEYS,
-    ConfigError,
-    YamlContentError,
-    parse_config,
-    read_yaml,
-)
+from kv_listener.config import LISTENER_TOP_KEYS, parse_config
+from kv_listener.configkit import ConfigError, YamlContentError, is_router_file, read_yaml
 from kv_listener.errors import StartError
 
 PROG = "continuum-kv-listener"
@@ -132,8 +127,6 @@ def _fail(message: str, code: int = EXIT_USAGE) -> int:
 
 def _config_kind(raw: Any) -> str | None:
     """Tell a listener file from a router file by its top-level keys (SPEC §8)."""
-    from kv_listener.router.config import is_router_file  # noqa: PLC0415
-
     if not isinstance(raw, dict):
         return None
     if is_router_file(raw):

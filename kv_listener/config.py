@@ -28,6 +28,7 @@ from kv_listener.configkit import (
     check_url,
     did_you_mean,
     is_loopback,
+    is_router_file,
     parse_duration,
     parse_listen,
     parse_log,
@@ -148,10 +149,7 @@ class ListenerConfig:
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def source(self, backend_name: str) -> SourceConfig | None:
-        for s in self.sources:
-            if s.backend_name == backend_name:
-                return s
-        return None
+        return next((s for s in self.sources if s.backend_name == backend_name), None)
 
 
 def _limits(r: Reader, raw: Any, path: str, base: Limits) -> Limits:
@@ -224,10 +222,9 @@ def _source(r: Reader, raw: Any, path: str, top_limits: Limits, salt_enabled: bo
         "health_interval",
         "engine_down_after",
     }
-    if not isinstance(raw, Mapping):
-        r.error(path, f"expected a mapping, got {type_name(raw)}")
+    data = r.entry(raw, path, allowed)
+    if data is None:
         return None
-    data = r.mapping(raw, path, allowed)
     n_errors = len(r.errors)
 
     name = r.name(data, "backend_name", path)
@@ -505,18 +502,10 @@ def parse_config(raw: Any) -> ListenerConfig:
     if r.errors:
         raise ConfigError(r.errors)
     return ListenerConfig(
-        listen_host=host,
-        listen_port=port,
-        log=log,
-        limits=limits,
-        max_prefix_length=max_prefix_length,
-        history_size=history_size,
-        max_lag=max_lag,
-        update_interval_s=update_interval,
-        max_sse_clients=max_sse_clients,
-        cache_salt=cache_salt,
-        event_bus=event_bus,
-        sources=tuple(sources),
+        listen_host=host, listen_port=port, log=log, limits=limits,
+        max_prefix_length=max_prefix_length, history_size=history_size, max_lag=max_lag,
+        update_interval_s=update_interval, max_sse_clients=max_sse_clients,
+        cache_salt=cache_salt, event_bus=event_bus, sources=tuple(sources),
         warnings=tuple(r.warnings),
     )
 
@@ -528,7 +517,7 @@ def load_config(path: str | Path) -> ListenerConfig:
     raw = read_yaml(path)
     if raw is None or raw == {}:
         raise ConfigError([f"{path}: the file is empty: not a listener configuration"])
-    if isinstance(raw, Mapping) and "kv_cache_index" in raw and "sources" not in raw:
+    if is_router_file(raw):
         raise ConfigError([f"{path}: this is a router configuration (top-level 'kv_cache_index'); "
                            "run it with 'continuum-kv-listener router --config'"])
     return parse_config(raw)

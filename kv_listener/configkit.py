@@ -40,6 +40,7 @@ __all__ = [
     "check_url",
     "did_you_mean",
     "is_loopback",
+    "is_router_file",
     "parse_duration",
     "parse_listen",
     "parse_log",
@@ -190,6 +191,14 @@ class Reader:
             else:
                 out[key] = item
         return out
+
+    def entry(self, value: Any, path: str, allowed: set[str]) -> dict[str, Any] | None:
+        """One item of a list that must be a mapping (a source, a broker): None, the error
+        recorded, when it is not one (null included)."""
+        if not isinstance(value, Mapping):
+            self.error(path, f"expected a mapping, got {type_name(value)}")
+            return None
+        return self.mapping(value, path, allowed)
 
     def typed(self, data: dict[str, Any], key: str, path: str, kind: type[T] | tuple[type, ...],
               default: T, *, nullable: bool = False) -> T:
@@ -394,6 +403,13 @@ def parse_log(r: Reader, raw: Any) -> LogConfig:
         level=r.choice(data, "level", "log", "info", LOG_LEVELS),
         format=r.choice(data, "format", "log", "json", LOG_FORMATS),
     )
+
+
+def is_router_file(raw: Any) -> bool:
+    """Does this YAML tree look like a router file (`kv_cache_index`) rather than a listener
+    file (`sources`)? `config validate` picks its parser by this, and the listener refuses such
+    a file with a pointer to `router --config`."""
+    return isinstance(raw, Mapping) and "kv_cache_index" in raw and "sources" not in raw
 
 
 def root_mapping(r: Reader, raw: Any, allowed: Iterable[str]) -> dict[str, Any]:

@@ -9,18 +9,12 @@ from typing import Any
 import pytest
 import yaml
 
-from kv_listener.config import (
-    ConfigError,
-    Engine,
-    Limits,
-    ListenerConfig,
-    YamlContentError,
-    load_config,
-    parse_config,
-    parse_duration,
-    read_secret,
-)
+from kv_listener.config import ListenerConfig, load_config, parse_config
+from kv_listener.configkit import ConfigError, YamlContentError, parse_duration, read_secret
+from kv_listener.core.limits import Limits
+from kv_listener.core.model import Engine
 from tests.conftest import ROOT
+from tests.support.config_errors import error_helpers
 
 VLLM: dict[str, Any] = {
     "backend_name": "vllm-1",
@@ -37,16 +31,7 @@ TRT: dict[str, Any] = {
 }
 
 
-def errors_of(raw: Any) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        parse_config(raw)
-    return info.value.errors
-
-
-def one_error(raw: Any) -> str:
-    errs = errors_of(raw)
-    assert len(errs) == 1, errs
-    return errs[0]
+errors_of, one_error = error_helpers(parse_config)
 
 
 def with_source(**changes: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from kv_listener.configkit import (
     LogConfig,
     Reader,
     YamlContentError,
+    is_router_file,
     parse_log,
     read_yaml,
     root_mapping,
@@ -113,3 +114,26 @@ def test_read_yaml_reports_every_duplicate_key(tmp_path: Path) -> None:
         "line 2, column 11: duplicate key 'c' (first at line 2); remove one",
         "line 3, column 1: duplicate key 'a' (first at line 1); remove one",
     ]
+
+
+def test_entry_must_be_a_mapping() -> None:
+    r = Reader()
+    assert r.entry({"id": "a", "x": 1}, "brokers[0]", {"id"}) == {"id": "a"}
+    assert r.entry(None, "brokers[1]", {"id"}) is None
+    assert r.entry("a", "brokers[2]", {"id"}) is None
+    assert r.errors == [
+        "brokers[0].x: unknown key (allowed: id)",
+        "brokers[1]: expected a mapping, got null",
+        "brokers[2]: expected a mapping, got a string",
+    ]
+
+
+@pytest.mark.parametrize(("raw", "router"), [
+    ({"kv_cache_index": None}, True),
+    ({"kv_cache_index": {}, "sources": []}, False),
+    ({"sources": []}, False),
+    ([{"kv_cache_index": None}], False),
+    (None, False),
+])
+def test_is_router_file_by_top_level_keys(raw: object, router: bool) -> None:
+    assert is_router_file(raw) is router

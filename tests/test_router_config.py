@@ -12,18 +12,18 @@ from typing import Any
 import pytest
 import yaml
 
-from kv_listener.errors import ConfigError
+from kv_listener.configkit import ConfigError, is_router_file
 from kv_listener.router.config import (
     BrokerRole,
     IndexBackend,
     RouterConfig,
     ScoringConfig,
     Transport,
-    is_router_file,
     load_router_config,
     parse_router_config,
 )
 from tests.conftest import ROOT
+from tests.support.config_errors import error_helpers
 
 EXAMPLE = ROOT / "config.router.yaml.example"
 SRC = {"backend_name": "vllm-1", "endpoint": "http://kv:7817/events/vllm-1"}
@@ -34,16 +34,7 @@ def base(**kv: Any) -> dict[str, Any]:
     return {"kv_cache_index": {"event_sources": [dict(SRC)], **kv}}
 
 
-def errors_of(raw: Any) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        parse_router_config(raw)
-    return info.value.errors
-
-
-def one_error(raw: Any) -> str:
-    errors = errors_of(raw)
-    assert len(errors) == 1, errors
-    return errors[0]
+errors_of, one_error = error_helpers(parse_router_config)
 
 
 def tls_files(tmp_path: Path) -> dict[str, str]:

@@ -13,10 +13,9 @@ probably do not do what the operator meant (the seed's `gpu_tier_weight < min_ov
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import hashlib
 import hmac
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,13 +34,13 @@ from kv_listener.configkit import (
     root_mapping,
     type_name,
 )
+from kv_listener.core import bus_protocol
 
 #: The seed's pool threshold (DEFAULT_SCORER_THRESHOLD): a KV-aware pick needs a composite > this.
 POOL_THRESHOLD = 0.3
 #: Tolerance of the "weights sum to 1.0" check (YAML decimals are binary floats).
 WEIGHT_SUM_TOLERANCE = 1e-6
 DEFAULT_KEY_PREFIX = "cr:kvidx:"
-_TOKEN_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TOKEN_HASH_HINT = ("must be 'sha256:' followed by 64 lowercase hex digits "
                     "(printf %s \"$TOKEN\" | sha256sum)")
 # SCAN MATCH patterns are built from the key prefix (admin clear); glob characters in it would
@@ -66,12 +65,16 @@ class BrokerRole(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class ScoringConfig:
-    """The six scoring parameters of the seed (`kv_cache_index.scoring`)."""
+    """The six scoring parameters of the seed (`kv_cache_index.scoring`); the formula that uses
+    them is `kv_listener.router.scorer`'s."""
 
+    # The composite's three terms (overlap, spare load, health): they must sum to 1.0.
     overlap_weight: float = 0.6
     load_weight: float = 0.3
     health_weight: float = 0.1
+    # A holder whose tiered overlap is below this scores 0.0, as if it had no copy.
     min_overlap_threshold: float = 0.3
+    # The tier multipliers of the raw overlap: GPU-resident, then storage-warm copies.
     gpu_tier_weight: float = 1.0
     storage_tier_weight: float = 0.6
 
@@ -114,10 +117,7 @@ class KvCacheIndexConfig:
     event_sources: tuple[EventSourceConfig, ...] = ()
 
     def source(self, backend_name: str) -> EventSourceConfig | None:
-        for s in self.event_sources:
-            if s.backend_name == backend_name:
-                return s
-        return None
+        return next((s for s in self.event_sources if s.backend_name == backend_name), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +143,7 @@ class RedisConfig:
 def token_digest(token: str | bytes) -> str:
     """`sha256:<64 lowercase hex>` of a bearer token: the form the router file stores tokens in
     (`dynamo.event_bus.brokers[].token_hash`, `admin.auth.tokens[].token_hash`)."""
-    raw = token.encode("utf-8") if isinstance(token, str) else token
-    return "sha256:" + hashlib.sha256(raw).hexdigest()
+    return bus_protocol.token_hash(token.encode("utf-8") if isinstance(token, str) else token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,10 +178,7 @@ class EventBusServerConfig:
     brokers: tuple[BrokerConfig, ...] = ()
 
     def broker(self, broker_id: str) -> BrokerConfig | None:
-        for b in self.brokers:
-            if b.id == broker_id:
-                return b
-        return None
+        return next((b for b in self.brokers if b.id == broker_id), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,31 +244,32 @@ def _number(r: Reader, data: dict[str, Any], key: str, path: str, default: float
     return value
 
 
+def _entries(r: Reader, data: dict[str, Any], key: str, path: str) -> list[Any]:
+    """The list under `key`; absent, null or empty is no entries (an error when not a list)."""
+    raw = data.get(key) or []
+    if not isinstance(raw, list):
+        r.error(f"{path}.{key}", f"expected a list, got {type_name(raw)}")
+        return []
+    return raw
+
+
 def _scoring(r: Reader, raw: Any) -> ScoringConfig:
     p = "kv_cache_index.scoring"
     d = ScoringConfig()
-    data = r.mapping(raw, p, set(ScoringConfig.__dataclass_fields__))
+    names = tuple(f.name for f in dataclasses.fields(ScoringConfig))  # errors come in this order
+    data = r.mapping(raw, p, set(names))
     n_errors = len(r.errors)
-    cfg = ScoringConfig(
-        overlap_weight=_number(r, data, "overlap_weight", p, d.overlap_weight, 0.0, 1.0),
-        load_weight=_number(r, data, "load_weight", p, d.load_weight, 0.0, 1.0),
-        health_weight=_number(r, data, "health_weight", p, d.health_weight, 0.0, 1.0),
-        min_overlap_threshold=_number(r, data, "min_overlap_threshold", p,
-                                      d.min_overlap_threshold, 0.0, 1.0),
-        gpu_tier_weight=_number(r, data, "gpu_tier_weight", p, d.gpu_tier_weight, 0.0, 1.0),
-        storage_tier_weight=_number(r, data, "storage_tier_weight", p,
-                                    d.storage_tier_weight, 0.0, 1.0),
-    )
+    # Every scoring parameter, weight or threshold, is a number in [0, 1].
+    cfg = ScoringConfig(**{name: _number(r, data, name, p, getattr(d, name), 0.0, 1.0) for name in names})
     if len(r.errors) == n_errors and (reason := cfg.weight_sum_error()) is not None:
         r.error(p, reason)
     return cfg
 
 
 def _event_source(r: Reader, raw: Any, path: str) -> EventSourceConfig | None:
-    if not isinstance(raw, Mapping):
-        r.error(path, f"expected a mapping, got {type_name(raw)}")
+    data = r.entry(raw, path, {"backend_name", "endpoint", "transport", "reconnect_interval_ms"})
+    if data is None:
         return None
-    data = r.mapping(raw, path, {"backend_name", "endpoint", "transport", "reconnect_interval_ms"})
     n_errors = len(r.errors)
     name = r.name(data, "backend_name", path)
     transport = Transport(r.choice(data, "transport", path, "sse", tuple(t.value for t in Transport)))
@@ -319,10 +316,7 @@ def _kv_cache_index(r: Reader, raw: Any) -> KvCacheIndexConfig:
                                           f"{p}.storage_offloading", bool, True),
     )
     sources: list[EventSourceConfig] = []
-    raw_sources = data.get("event_sources") or []
-    if not isinstance(raw_sources, list):
-        r.error(f"{p}.event_sources", f"expected a list, got {type_name(raw_sources)}")
-        raw_sources = []
+    raw_sources = _entries(r, data, "event_sources", p)
     seen: dict[str, int] = {}
     for i, item in enumerate(raw_sources):
         src = _event_source(r, item, f"{p}.event_sources[{i}]")
@@ -364,15 +358,14 @@ def _kv_cache_index(r: Reader, raw: Any) -> KvCacheIndexConfig:
 
 
 def _broker(r: Reader, raw: Any, path: str, mtls: bool) -> BrokerConfig | None:
-    if not isinstance(raw, Mapping):
-        r.error(path, f"expected a mapping, got {type_name(raw)}")
+    data = r.entry(raw, path, {"id", "role", "token_hash", "backends"})
+    if data is None:
         return None
-    data = r.mapping(raw, path, {"id", "role", "token_hash", "backends"})
     n_errors = len(r.errors)
     broker_id = r.name(data, "id", path, " (the listener's event_bus.client_id)")
     role = r.enum(data, "role", path, BrokerRole)
     token_hash = r.typed(data, "token_hash", path, str, None, nullable=True)
-    if token_hash is not None and not _TOKEN_HASH_RE.match(token_hash):
+    if token_hash is not None and not bus_protocol.is_token_hash(token_hash):
         r.error(f"{path}.token_hash", _TOKEN_HASH_HINT)
     if token_hash is None and not mtls:
         r.error(path, "no credential: set token_hash, or dynamo.event_bus.tls.client_ca for "
@@ -403,7 +396,6 @@ def _event_bus(r: Reader, raw: Any) -> EventBusServerConfig:
     enabled = r.typed(data, "enabled", p, bool, False)
     default = ("0.0.0.0", 9443)  # noqa: S104 - see EventBusServerConfig
     host, port = r.address(data, "listen", p, "0.0.0.0:9443") or default
-    tls: BusTlsConfig | None = None
     tls_data = r.mapping(data.get("tls"), f"{p}.tls", {"cert", "key", "client_ca"})
     cert = r.typed(tls_data, "cert", f"{p}.tls", str, None, nullable=True)
     key = r.typed(tls_data, "key", f"{p}.tls", str, None, nullable=True)
@@ -416,13 +408,9 @@ def _event_bus(r: Reader, raw: Any) -> EventBusServerConfig:
                 r.error(f"{p}.tls.{name}", "is required when the event bus is enabled (TLS only)")
             r.existing_file(f"{p}.tls.{name}", value)
         r.existing_file(f"{p}.tls.client_ca", client_ca)
-    if cert is not None and key is not None:
-        tls = BusTlsConfig(cert=cert, key=key, client_ca=client_ca)
+    tls = BusTlsConfig(cert, key, client_ca) if cert is not None and key is not None else None
     brokers: list[BrokerConfig] = []
-    raw_brokers = data.get("brokers") or []
-    if not isinstance(raw_brokers, list):
-        r.error(f"{p}.brokers", f"expected a list, got {type_name(raw_brokers)}")
-        raw_brokers = []
+    raw_brokers = _entries(r, data, "brokers", p)
     ids: dict[str, int] = {}
     hashes: dict[str, int] = {}
     for i, item in enumerate(raw_brokers):
@@ -459,8 +447,7 @@ def _redis(r: Reader, raw: Any) -> RedisConfig:
     password_file = r.typed(data, "password_file", p, str, None, nullable=True)
     password_env = r.typed(data, "password_env", p, str, None, nullable=True)
     r.existing_file(f"{p}.password_file", password_file)
-    if password_file is not None and password_env is not None:
-        r.error(p, "set password_file or password_env, not both")
+    r.not_both(p, ("password_file", password_file), ("password_env", password_env))
     return RedisConfig(
         url=url, tls=r.typed(data, "tls", p, bool, False), ca_file=ca_file,
         username=r.typed(data, "username", p, str, None, nullable=True),
@@ -483,16 +470,15 @@ def _admin_token(r: Reader, raw: Any, path: str) -> AdminTokenConfig | None:
         r.error(path, "expected a mapping {id: ..., token_hash: 'sha256:<hex>'}; plaintext "
                       "tokens are refused (store the token's SHA-256, as for the event bus)")
         return None
-    if not isinstance(raw, Mapping):
-        r.error(path, f"expected a mapping, got {type_name(raw)}")
+    data = r.entry(raw, path, {"id", "token_hash"})
+    if data is None:
         return None
-    data = r.mapping(raw, path, {"id", "token_hash"})
     n_errors = len(r.errors)
     token_id = r.name(data, "id", path)
     token_hash = r.typed(data, "token_hash", path, str, "")
     if "token_hash" not in data:
         r.error(f"{path}.token_hash", "is required")
-    elif not _TOKEN_HASH_RE.match(token_hash):
+    elif not bus_protocol.is_token_hash(token_hash):
         r.error(f"{path}.token_hash", _TOKEN_HASH_HINT)
     if len(r.errors) != n_errors:
         return None
@@ -609,9 +595,3 @@ def parse_router_config(raw: Any) -> RouterConfig:
 
 def load_router_config(path: str | Path) -> RouterConfig:
     return parse_router_config(read_yaml(path))
-
-
-def is_router_file(raw: Any) -> bool:
-    """Does this YAML tree look like a router file (`kv_cache_index`) rather than a listener
-    file (`sources`)? Used by `config validate` to pick the parser."""
-    return isinstance(raw, Mapping) and "kv_cache_index" in raw and "sources" not in raw
