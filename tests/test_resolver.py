@@ -333,6 +333,13 @@ def test_constructor_validates() -> None:
                       on_outcome=lambda o: None, max_concurrency=0)
 
 
+@pytest.mark.parametrize("bound", ["max_concurrency", "max_decode_tokens"])
+def test_constructor_names_the_bound_below_one(bound: str) -> None:
+    with pytest.raises(ValueError, match=f"^{bound} must be >= 1$"):
+        ChainResolver(detokenizer=LocalDetokenizer(chatml()), parser=chatml_parser(),
+                      on_outcome=lambda o: None, **{bound: 0})
+
+
 # --- construction from SourceConfig ---------------------------------------------------------------
 
 

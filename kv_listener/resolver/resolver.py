@@ -100,6 +100,13 @@ DEFAULT_CIRCUIT_WAIT_S = 30.0
 _CIRCUIT_POLL_S = 0.05
 
 
+def _require_at_least_one(**counts: int) -> None:
+    """`ValueError` naming the first of `counts` below 1."""
+    for name, count in counts.items():
+        if count < 1:
+            raise ValueError(f"{name} must be >= 1")
+
+
 class TemplateRetry:
     """The engine's `/tokenizer_info`, to be asked again: it was unreachable when last asked.
 
@@ -154,10 +161,7 @@ class ChainResolver:
         template_retry: TemplateRetry | None = None,
         circuit_wait_s: float = DEFAULT_CIRCUIT_WAIT_S,
     ) -> None:
-        if max_concurrency < 1:
-            raise ValueError("max_concurrency must be >= 1")
-        if max_decode_tokens < 1:
-            raise ValueError("max_decode_tokens must be >= 1")
+        _require_at_least_one(max_concurrency=max_concurrency, max_decode_tokens=max_decode_tokens)
         self.detokenizer = detokenizer
         self.parser = parser
         self.max_prefix_length = max_prefix_length
