@@ -40,7 +40,8 @@ from kv_listener.configkit import (
 from kv_listener.core.limits import Limits
 from kv_listener.core.model import Engine
 
-# The toolkit's names other modules import from here (the listener's side of the house).
+# This module's names, plus the toolkit's that the listener's modules (and older callers) import
+# from here; the router imports the toolkit itself.
 __all__ = [
     "BACKEND_NAME_RE",
     "LISTENER_TOP_KEYS",
@@ -67,7 +68,7 @@ __all__ = [
     "type_name",
 ]
 
-
+#: An RFC 1123 host name: an `allowed_publishers` entry that is neither an address nor a network.
 _HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
 )
