@@ -72,6 +72,13 @@ class BusProtocolErrorReason(enum.StrEnum):
     NOT_ONE_LINE = "not_one_line"  # hello body: nothing, or more than one line
 
 
+class NoSessionError(LookupError):
+    """No live listener session announces the backend yet (event bus, SPEC §7). The event-bus
+    server raises it (its `NoSession`) from `open_announced_stream`; a consumer retries every
+    `reconnect_interval_ms` and counts it as `no_session`. Here, so that the router's consumer
+    and server share it without importing each other."""
+
+
 class BusProtocolError(ValueError):
     def __init__(self, reason: BusProtocolErrorReason, detail: str) -> None:
         super().__init__(f"{reason.value}: {detail}")
