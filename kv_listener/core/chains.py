@@ -277,7 +277,7 @@ class ChainResolution(BlockTable):
                 w.waiting = False
                 if ask:
                     self._want_request(w)
-        ch.forks = keep
+        ch.forks = keep or ()
 
     def _chain_blocks(self, ch: Chain) -> list[int]:
         """The chain's records, deepest first."""
@@ -418,7 +418,7 @@ class ChainResolution(BlockTable):
             ch.anchor = None if anchor == NO_SLOT else self._hash[anchor]
             if ch.nblocks == 0:
                 self._free_chain_tokens(ch)
-            forks, ch.forks = ch.forks, []
+            forks, ch.forks = ch.forks, ()
             for w in forks:
                 if w.status != PENDING:
                     continue
@@ -477,7 +477,7 @@ class ChainResolution(BlockTable):
                 ch.nblocks -= 1
                 self._drop_tokens(r)
             work.extend(ch.forks)
-            ch.forks = []
+            ch.forks = ()
 
     def _cancel_request(self, ch: Chain) -> None:
         if ch.inflight is not None:
@@ -526,7 +526,7 @@ class ChainResolution(BlockTable):
             self._release_waiters(ch, ask=True)
             self._want_request(ch)
         cut = [w for w in ch.forks if w.fork_at in lost or ch.head is None]
-        ch.forks = [w for w in ch.forks if w.status == PENDING and w not in cut]
+        ch.forks = [w for w in ch.forks if w.status == PENDING and w not in cut] or ()
         self._discard_lost(cut)
         if ch.head is None:
             ch.status = DEAD

@@ -397,7 +397,9 @@ class Tracker(ChainResolution):
             # distinct chain); under an idle pending chain it asks for itself.
             fork = self._new_chain(model, prev_hash)
             forks = st.forks
-            if len(forks) >= 64 and not len(forks) & (len(forks) - 1):  # at 64, 128, 256, ...
+            if not isinstance(forks, list):
+                st.forks = forks = []
+            elif len(forks) >= 64 and not len(forks) & (len(forks) - 1):  # at 64, 128, 256, ...
                 st.forks = forks = [w for w in forks if w.status == PENDING]
             forks.append(fork)
             fork.waiting = st.busy()
