@@ -1,8 +1,8 @@
 """Decoders (core/decode.py) and the simulated engine encoders (sim/encode.py).
 
 Golden frames under fixtures/frames are decoded and compared to their expected JSON (written from
-the ground truth the generator encoded); the wire note's §7 vectors are decoded from the hex text
-itself; payloads for drop reasons are built by hand with plain msgpack; the encoder is checked
+the ground truth the generator encoded); the wire note's §7 vectors are its `vec-*` frames, which
+the generator writes from the note's hex text; payloads for drop reasons are built by hand with plain msgpack; the encoder is checked
 against msgspec structs declared as the note's §7.8 describes (what the engines use).
 """
 
@@ -120,87 +120,23 @@ def _check_batch_invariants(decoded: DecodedBatch) -> None:
             assert ev.parent_hash is None or 0 <= ev.parent_hash <= U64_MASK
 
 
-# --- the wire note's §7 vectors, from the hex text ----------------------------------------------
+# --- the wire note's §7 vectors, from the fixtures (the note's hex, byte for byte) ---------------
 
 
-def hexdump(text: str) -> bytes:
-    return bytes.fromhex("".join(line[6:] for line in text.strip().splitlines()))
+def vector(name: str) -> bytes:
+    """A §7 vector as `fixtures/generate_frames.py` writes it from the note's hex text (its
+    `--check`, run by test_fixtures_are_what_the_generator_writes, keeps the two equal)."""
+    return (FRAMES / f"vec-{name}.msgpack").read_bytes()
 
 
-VEC_7_2_ARRAY12 = hexdump("""
-0000  93 cb 41 d9 54 fc 40 20 00 00 91 9c ab 42 6c 6f
-0010  63 6b 53 74 6f 72 65 64 91 cf da b8 9b aa 7b 58
-0020  57 c0 c0 94 01 02 03 04 04 c0 a3 47 50 55 c0 c0
-0030  c0 c0 c0 00
-""")
-VEC_7_2_TWO_BLOCKS = hexdump("""
-0000  93 cb 41 d9 54 fc 40 20 00 00 91 9c ab 42 6c 6f
-0010  63 6b 53 74 6f 72 65 64 92 cf da b8 9b aa 7b 58
-0020  57 c0 cf 11 22 10 f4 7d e9 81 15 c0 98 01 02 03
-0030  04 05 06 07 08 04 c0 a3 47 50 55 c0 92 c0 c0 00
-0040  ae 66 75 6c 6c 5f 61 74 74 65 6e 74 69 6f 6e c0
-0050  00
-""")
-VEC_7_3_MAP16 = hexdump("""
-0000  93 cb 41 d9 54 fc 40 20 00 00 91 de 00 08 a4 74
-0010  79 70 65 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 ac
-0020  62 6c 6f 63 6b 5f 68 61 73 68 65 73 91 cf da b8
-0030  9b aa 7b 58 57 c0 b1 70 61 72 65 6e 74 5f 62 6c
-0040  6f 63 6b 5f 68 61 73 68 c0 a9 74 6f 6b 65 6e 5f
-0050  69 64 73 94 01 02 03 04 aa 62 6c 6f 63 6b 5f 73
-0060  69 7a 65 04 a7 6c 6f 72 61 5f 69 64 c0 a6 6d 65
-0070  64 69 75 6d a3 47 50 55 a9 6c 6f 72 61 5f 6e 61
-0080  6d 65 c0 00
-""")
-VEC_7_3_SALT = hexdump("""
-0000  93 cb 41 d9 54 fc 40 20 00 00 91 de 00 0b a4 74
-0010  79 70 65 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 ac
-0020  62 6c 6f 63 6b 5f 68 61 73 68 65 73 92 cf da b8
-0030  9b aa 7b 58 57 c0 cf 11 22 10 f4 7d e9 81 15 b1
-0040  70 61 72 65 6e 74 5f 62 6c 6f 63 6b 5f 68 61 73
-0050  68 c0 a9 74 6f 6b 65 6e 5f 69 64 73 98 01 02 03
-0060  04 05 06 07 08 aa 62 6c 6f 63 6b 5f 73 69 7a 65
-0070  04 a7 6c 6f 72 61 5f 69 64 c0 a6 6d 65 64 69 75
-0080  6d a3 47 50 55 a9 6c 6f 72 61 5f 6e 61 6d 65 c0
-0090  aa 65 78 74 72 61 5f 6b 65 79 73 92 91 a8 74 65
-00a0  6e 61 6e 74 2d 61 c0 a9 67 72 6f 75 70 5f 69 64
-00b0  78 00 b2 6b 76 5f 63 61 63 68 65 5f 73 70 65 63
-00c0  5f 6b 69 6e 64 ae 66 75 6c 6c 5f 61 74 74 65 6e
-00d0  74 69 6f 6e 00
-""")
-VEC_7_4_ARRAY = hexdump("""
-0000  93 cb 41 d9 54 fc 40 20 00 00 92 94 ac 42 6c 6f
-0010  63 6b 52 65 6d 6f 76 65 64 91 cf da b8 9b aa 7b
-0020  58 57 c0 a3 47 50 55 00 91 b0 41 6c 6c 42 6c 6f
-0030  63 6b 73 43 6c 65 61 72 65 64 00
-""")
-VEC_7_4_MAP = hexdump("""
-0000  93 cb 41 d9 54 fc 40 20 00 00 92 84 a4 74 79 70
-0010  65 ac 42 6c 6f 63 6b 52 65 6d 6f 76 65 64 ac 62
-0020  6c 6f 63 6b 5f 68 61 73 68 65 73 91 cf da b8 9b
-0030  aa 7b 58 57 c0 a6 6d 65 64 69 75 6d a3 47 50 55
-0040  a9 67 72 6f 75 70 5f 69 64 78 00 81 a4 74 79 70
-0050  65 b0 41 6c 6c 42 6c 6f 63 6b 73 43 6c 65 61 72
-0060  65 64 00
-""")
-VEC_7_6_SGLANG_MAP = hexdump("""
-0000  93 cb 41 d9 54 fc 40 20 00 00 91 87 a4 74 79 70
-0010  65 ab 42 6c 6f 63 6b 53 74 6f 72 65 64 ac 62 6c
-0020  6f 63 6b 5f 68 61 73 68 65 73 92 d3 cf 97 ad ee
-0030  db 59 e0 5b cf 4e bf a8 a1 f3 c3 41 51 b1 70 61
-0040  72 65 6e 74 5f 62 6c 6f 63 6b 5f 68 61 73 68 c0
-0050  a9 74 6f 6b 65 6e 5f 69 64 73 98 01 02 03 04 05
-0060  06 07 08 aa 62 6c 6f 63 6b 5f 73 69 7a 65 04 a7
-0070  6c 6f 72 61 5f 69 64 c0 a6 6d 65 64 69 75 6d a3
-0080  47 50 55 00
-""")
-VEC_7_6_SGLANG_META = hexdump("""
-0000  93 cb 41 d9 54 fc 40 20 00 00 91 98 ab 42 6c 6f
-0010  63 6b 53 74 6f 72 65 64 91 cf 33 99 27 f4 91 60
-0020  5c 4b c0 94 01 02 03 04 04 c0 a3 47 50 55 81 aa
-0030  63 61 63 68 65 5f 73 61 6c 74 a8 74 65 6e 61 6e
-0040  74 2d 61 00
-""")
+VEC_7_2_ARRAY12 = vector("7.2a-vllm-array12")
+VEC_7_2_TWO_BLOCKS = vector("7.2b-vllm-array12-2blocks")
+VEC_7_3_MAP16 = vector("7.3a-vllm-map16")
+VEC_7_3_SALT = vector("7.3b-vllm-map16-salt")
+VEC_7_4_ARRAY = vector("7.4-vllm-array-removed-cleared")
+VEC_7_4_MAP = vector("7.4-vllm-map-removed-cleared")
+VEC_7_6_SGLANG_MAP = vector("7.6-sglang-map")
+VEC_7_6_SGLANG_META = vector("7.6-sglang-array8-metadata")
 
 
 def test_vector_lengths_match_the_note() -> None:

@@ -18,6 +18,7 @@ from kv_listener.core.prefix import (
     request_prefix_key,
     truncate_utf8,
 )
+from tests.support.vectors import PREFIX_VECTORS
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -25,36 +26,28 @@ LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 # --- SPEC test vectors ------------------------------------------------------------------------
 
 
-def test_vector_system_rule() -> None:
-    key = prefix_key(LLAMA, "You are a helpful assistant.", None)
+@pytest.mark.parametrize("name", sorted(PREFIX_VECTORS))
+def test_spec_vector(name: str) -> None:
+    v = PREFIX_VECTORS[name]
+    key = prefix_key(v.model, v.system, v.first_message)
     assert key is not None and len(key) == 32
-    assert prefix_hash(key) == "6b913e22b32520efcfc547b83f6b5df8c006788e9a691b16b94d3f86352e4afb"
-
-
-def test_vector_first_message_rule_korean() -> None:
-    key = prefix_key("qwen", None, "안녕하세요, 도와주세요")
-    assert key is not None
-    assert prefix_hash(key) == "7fef377e5641c0c7ffaef4196ddfde4d689bbc0f2a75d46e9aa3f66f9eb489aa"
+    assert prefix_hash(key) == v.prefix_hash
 
 
 def test_vector_truncation_to_whole_character() -> None:
-    system = "가" * 400
-    assert len(system.encode()) == 1200
+    system = PREFIX_VECTORS["truncation_to_whole_character"].system
+    assert system == "가" * 400 and len(system.encode()) == 1200
     assert truncate_utf8(system, 1024) == ("가" * 341).encode()
-    key = prefix_key("m", system, None)
-    assert key is not None
-    assert prefix_hash(key) == "c4552535352cd3192133bcc8fca57239103404bed739b3e5b9f2cd2cb7e3f001"
 
 
 def test_vectors_through_request_bodies() -> None:
-    body = {"model": LLAMA, "messages": [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "hi"}]}
-    assert prefix_hash(request_prefix_key(body) or b"") == (
-        "6b913e22b32520efcfc547b83f6b5df8c006788e9a691b16b94d3f86352e4afb")
-    body = {"model": "qwen", "messages": [{"role": "user", "content": "안녕하세요, 도와주세요"}]}
-    assert prefix_hash(request_prefix_key(body) or b"") == (
-        "7fef377e5641c0c7ffaef4196ddfde4d689bbc0f2a75d46e9aa3f66f9eb489aa")
+    v = PREFIX_VECTORS["system_rule"]
+    body = {"model": v.model, "messages": [
+        {"role": "system", "content": v.system}, {"role": "user", "content": "hi"}]}
+    assert prefix_hash(request_prefix_key(body) or b"") == v.prefix_hash
+    v = PREFIX_VECTORS["first_message_rule_korean"]
+    body = {"model": v.model, "messages": [{"role": "user", "content": v.first_message}]}
+    assert prefix_hash(request_prefix_key(body) or b"") == v.prefix_hash
 
 
 def test_public_module_is_the_same_function() -> None:

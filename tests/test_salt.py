@@ -14,23 +14,25 @@ from kv_listener.core.salt import (
     issue_cache_salt,
     verify_cache_salt,
 )
+from tests.support.vectors import SALT_VECTOR
 
-SECRET = b"s3cret"
-_key = prefix_key("meta-llama/Llama-3.1-8B-Instruct", "You are a helpful assistant.", None)
+SECRET = SALT_VECTOR.secret
+_kv = SALT_VECTOR.key_vector
+_key = prefix_key(_kv.model, _kv.system, _kv.first_message)
 assert _key is not None
 KEY: bytes = _key
-VECTOR = ("crs1:6b913e22b32520efcfc547b83f6b5df8c006788e9a691b16b94d3f86352e4afb:"
-          "8a12d1c171aa1fc5455355d772f847b3")
+VECTOR = SALT_VECTOR.salt
+BACKEND = SALT_VECTOR.backend  # "vllm-1"
 
 
 def test_spec_vector() -> None:
-    assert issue_cache_salt(SECRET, "vllm-1", KEY) == VECTOR
+    assert issue_cache_salt(SECRET, BACKEND, KEY) == VECTOR
     assert len(VECTOR) == SALT_LENGTH == 102
     assert VECTOR.startswith(SALT_PREFIX)
 
 
 def test_valid_salt_returns_key() -> None:
-    assert verify_cache_salt(SECRET, "vllm-1", VECTOR) == KEY
+    assert verify_cache_salt(SECRET, BACKEND, VECTOR) == KEY
 
 
 def test_fits_vllm_limits() -> None:
@@ -44,20 +46,20 @@ def test_other_backend_is_rejected() -> None:
 
 
 def test_other_secret_is_rejected() -> None:
-    assert verify_cache_salt(b"s3cret2", "vllm-1", VECTOR) is None
+    assert verify_cache_salt(b"s3cret2", BACKEND, VECTOR) is None
 
 
 def test_forged_mac_is_rejected() -> None:
     last = VECTOR[-1]
     forged = VECTOR[:-1] + ("0" if last != "0" else "1")
-    assert verify_cache_salt(SECRET, "vllm-1", forged) is None
+    assert verify_cache_salt(SECRET, BACKEND, forged) is None
 
 
 def test_swapped_key_with_old_mac_is_rejected() -> None:
     other = prefix_key("m", "other", None)
     assert other is not None
     forged = SALT_PREFIX + other.hex() + VECTOR[len(SALT_PREFIX) + 64:]
-    assert verify_cache_salt(SECRET, "vllm-1", forged) is None
+    assert verify_cache_salt(SECRET, BACKEND, forged) is None
 
 
 @pytest.mark.parametrize("salt", [
@@ -74,17 +76,17 @@ def test_swapped_key_with_old_mac_is_rejected() -> None:
     "crs1:",
 ])
 def test_malformed_salts_are_invalid(salt: str) -> None:
-    assert verify_cache_salt(SECRET, "vllm-1", salt) is None
+    assert verify_cache_salt(SECRET, BACKEND, salt) is None
 
 
 def test_non_string_is_invalid() -> None:
-    assert verify_cache_salt(SECRET, "vllm-1", None) is None  # type: ignore[arg-type]
-    assert verify_cache_salt(SECRET, "vllm-1", VECTOR.encode()) is None  # type: ignore[arg-type]
+    assert verify_cache_salt(SECRET, BACKEND, None) is None  # type: ignore[arg-type]
+    assert verify_cache_salt(SECRET, BACKEND, VECTOR.encode()) is None  # type: ignore[arg-type]
 
 
 def test_issue_rejects_a_wrong_key_length() -> None:
     with pytest.raises(ValueError, match="32 bytes"):
-        issue_cache_salt(SECRET, "vllm-1", b"short")
+        issue_cache_salt(SECRET, BACKEND, b"short")
 
 
 @given(st.binary(min_size=1, max_size=64), st.from_regex(r"[A-Za-z0-9_-]{1,64}", fullmatch=True),
@@ -102,18 +104,18 @@ def test_round_trip_and_binding(secret: bytes, backend: str, key: bytes) -> None
 def test_the_bound_verifier_agrees_with_verify_cache_salt(key: bytes, pos: int, ch: str) -> None:
     """The listener's verifier (precomputed HMAC head, remembered salts) answers exactly as the
     reference function, for valid salts and salts with one character changed, asked twice."""
-    verifier = SaltVerifier(SECRET, "vllm-1", cache_size=8)
-    good = issue_cache_salt(SECRET, "vllm-1", key)
+    verifier = SaltVerifier(SECRET, BACKEND, cache_size=8)
+    good = issue_cache_salt(SECRET, BACKEND, key)
     bad = good[:pos] + ch + good[pos + 1:]
     for salt in (good, bad, good, bad, good + "\n", VECTOR):
-        assert verifier(salt) == verify_cache_salt(SECRET, "vllm-1", salt)
+        assert verifier(salt) == verify_cache_salt(SECRET, BACKEND, salt)
     assert verifier(None) is None  # type: ignore[arg-type]
     assert SaltVerifier(SECRET, "vllm-2")(good) is None
 
 
 def test_the_verifier_cache_is_bounded() -> None:
-    verifier = SaltVerifier(SECRET, "vllm-1", cache_size=16)
-    salts = [issue_cache_salt(SECRET, "vllm-1", bytes([i]) * 32) for i in range(100)]
+    verifier = SaltVerifier(SECRET, BACKEND, cache_size=16)
+    salts = [issue_cache_salt(SECRET, BACKEND, bytes([i]) * 32) for i in range(100)]
     for i, salt in enumerate(salts):
         assert verifier(salt) == bytes([i]) * 32
         assert len(verifier._cache) <= 16
@@ -123,9 +125,7 @@ def test_the_verifier_cache_is_bounded() -> None:
 def test_router_module_exports_the_salt_and_key_functions() -> None:
     from kv_listener import router  # noqa: PLC0415
 
-    key = router.request_prefix_key({"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [
-        {"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "hi"}]})
+    key = router.request_prefix_key({"model": _kv.model, "messages": [
+        {"role": "system", "content": _kv.system}, {"role": "user", "content": "hi"}]})
     assert key is not None
-    assert router.issue_cache_salt(b"s3cret", "vllm-1", key) == (
-        "crs1:6b913e22b32520efcfc547b83f6b5df8c006788e9a691b16b94d3f86352e4afb:"
-        "8a12d1c171aa1fc5455355d772f847b3")
+    assert router.issue_cache_salt(SECRET, BACKEND, key) == VECTOR
