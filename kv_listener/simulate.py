@@ -54,14 +54,15 @@ from kv_listener.cli import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, PROG
 from kv_listener.config import ConfigError, ListenerConfig, load_config, read_secret
 from kv_listener.core.model import CacheCreated, Engine, KvEvent
 from kv_listener.core.salt import issue_cache_salt
-from kv_listener.demo import TIMING  # the demo's pace: requests take real time
 from kv_listener.logging import configure_logging
 from kv_listener.resolver.template import DEMO_TOKENIZER_DIR, load_tokenizer
 from kv_listener.sim.detokenize_server import tokenizer_info
 from kv_listener.sim.engine import SimEngine
+from kv_listener.sim.openai_wire import RequestError
 from kv_listener.sim.plan import EnginePlan, HttpAddr, plan_engines
-from kv_listener.sim.server import EngineServer, RequestError
-from kv_listener.sim.trtllm_server import RunningServer, SimTrtllmServer
+from kv_listener.sim.server import EngineServer
+from kv_listener.sim.service import DEMO_TIMING  # the demo's pace: requests take real time
+from kv_listener.sim.trtllm_server import ServedTrtllm, SimTrtllmServer
 from kv_listener.sim.workload import ChatSessions, ChatTurn
 
 #: KV blocks per engine (16 tokens each): the five system prompts take about 140, and the open
@@ -147,7 +148,7 @@ class SimulatedBackend:
                            wire="sglang" if src.engine is Engine.SGLANG else "vllm", sink=sink,
                            seed=seed)
         http = plan.http
-        self.server = EngineServer(engine, model=src.model, timing=TIMING, tokenizer_info=info,
+        self.server = EngineServer(engine, model=src.model, timing=DEMO_TIMING, tokenizer_info=info,
                                    host=http.host if http else "127.0.0.1",
                                    port=http.port if http else 0, serve_http=http is not None,
                                    health_path=plan.health_path)
@@ -160,7 +161,7 @@ class SimulatedBackend:
         self.skipped = 0  # arrivals dropped: MAX_OUTSTANDING pending
         self._salts: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._trt_running: RunningServer | None = None
+        self._trt_running: ServedTrtllm | None = None
         self._health: web.AppRunner | None = None
 
     async def start(self) -> None:

@@ -27,7 +27,8 @@ from kv_listener.core.sequence import END_SEQ, parse_event_frames
 from kv_listener.resolver.template import DEMO_TOKENIZER_DIR, load_tokenizer
 from kv_listener.sim.detokenize_server import tokenizer_info
 from kv_listener.sim.engine import SimEngine, render_chat
-from kv_listener.sim.server import VLLM_VERSION, EngineServer, RequestRecord, ServiceTiming
+from kv_listener.sim.server import VLLM_VERSION, EngineServer
+from kv_listener.sim.service import RequestRecord, ServiceTiming
 from kv_listener.sim.workload import SYSTEM_PROMPTS, ChatWorkload
 
 MODEL = "sim-test-model"

@@ -24,10 +24,12 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import structlog
 from aiohttp import web
+
+from kv_listener.sim.lifecycle import AsyncLifecycle, start_site
 
 log = structlog.get_logger(__name__)
 
@@ -58,7 +60,7 @@ def tokenizer_info(tokenizer_dir: str | Path) -> dict[str, Any]:
     return info
 
 
-class DetokenizeServer:
+class DetokenizeServer(AsyncLifecycle):
     """`await start()` (or `async with`), then `url` is the `/detokenize` URL; `close()` stops.
 
     `tokenizer` is a loaded tokenizer (`resolver.template.load_tokenizer`); `info` the
@@ -137,20 +139,13 @@ class DetokenizeServer:
             return web.json_response({"detail": "Not Found"}, status=404)
         return web.json_response(self.info)
 
-    async def start(self) -> DetokenizeServer:
+    async def start(self) -> Self:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/detokenize", self._detokenize)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/health", self._health)
         app.router.add_get("/tokenizer_info", self._tokenizer_info)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, self.host, self.port)
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
+        runner = await start_site(app, self.host, self.port, access_log=None)
         self._runner = runner
         self.port = int(runner.addresses[0][1])
         log.info("detokenize_server_listening", host=self.host, port=self.port)
@@ -160,9 +155,3 @@ class DetokenizeServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-
-    async def __aenter__(self) -> DetokenizeServer:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

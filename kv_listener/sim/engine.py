@@ -45,12 +45,13 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import msgspec
 
 from kv_listener.core.model import MEDIUM_GPU, BlockRemoved, BlockStored, KvEvent
 from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
+from kv_listener.sim.lifecycle import AsyncLifecycle
 from kv_listener.sim.publisher import SimPublisher
 
 #: vLLM's default block size (tokens per KV block).
@@ -403,7 +404,7 @@ class Timing:
         return output_tokens * self.decode_s_per_token
 
 
-class SimEngine:
+class SimEngine(AsyncLifecycle):
     """One simulated vLLM instance: chat tokenization, the block pool, and a ZMQ publisher that
     sends one event batch per scheduling step (vLLM 0.33 map encoding, replay buffer served).
 
@@ -460,19 +461,13 @@ class SimEngine:
     def replay_endpoint(self) -> str | None:
         return self.publisher.replay_endpoint
 
-    async def start(self) -> SimEngine:
+    async def start(self) -> Self:
         if self.sink is None:
             await self.publisher.start()
         return self
 
     async def close(self) -> None:
         await self.publisher.close()
-
-    async def __aenter__(self) -> SimEngine:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     def tokenize(self, messages: Sequence[Mapping[str, Any]]) -> array[int]:
         return render_chat(self.tokenizer, messages)

@@ -28,14 +28,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from types import TracebackType
-from typing import Literal
+from typing import Literal, Self
 
 import structlog
 import zmq
 import zmq.asyncio
 
 from kv_listener.core.sequence import END_SEQ
+from kv_listener.sim.lifecycle import AsyncLifecycle
 
 log = structlog.get_logger(__name__)
 
@@ -60,7 +60,7 @@ def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
         fut.result()
 
 
-class SimPublisher:
+class SimPublisher(AsyncLifecycle):
     """Engine-side publisher. Use as `async with SimPublisher(...) as pub:`.
 
     `mode` None applies vLLM's heuristic (`vllm_binds`); tests usually pass `"bind"` with
@@ -107,7 +107,7 @@ class SimPublisher:
 
     # --- lifecycle ----------------------------------------------------------------------
 
-    async def start(self) -> SimPublisher:
+    async def start(self) -> Self:
         ctx = zmq.asyncio.Context()
         self._ctx = ctx
         try:
@@ -151,17 +151,6 @@ class SimPublisher:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-
-    async def __aenter__(self) -> SimPublisher:
-        return await self.start()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
 
     # --- publishing ---------------------------------------------------------------------
 

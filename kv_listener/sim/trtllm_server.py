@@ -21,7 +21,6 @@ import json
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +28,7 @@ from aiohttp import web
 from kv_listener.core.decode import TrtllmRecord
 from kv_listener.core.model import BlockRemoved, BlockStored, KvEvent
 from kv_listener.sim.encode import encode_trtllm_events
+from kv_listener.sim.lifecycle import AsyncLifecycle, start_site
 
 PATH = "/kv_cache_events"
 
@@ -169,22 +169,16 @@ class SimTrtllmServer:
         return app
 
     async def serve(self, host: str = "127.0.0.1", port: int = 0,
-                    path: str = PATH) -> RunningServer:
-        runner = web.AppRunner(self.app(path), handle_signals=False)
-        await runner.setup()
-        site = web.TCPSite(runner, host, port)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
+                    path: str = PATH) -> ServedTrtllm:
+        runner = await start_site(self.app(path), host, port, handle_signals=False)
         bound = runner.addresses[0][1]
         self._closing.clear()
-        return RunningServer(runner, f"http://{host}:{bound}{path}", self._closing)
+        return ServedTrtllm(runner, f"http://{host}:{bound}{path}", self._closing)
 
 
-class RunningServer:
-    """A served `SimTrtllmServer`; `async with` or `await close()`."""
+class ServedTrtllm(AsyncLifecycle):
+    """A served `SimTrtllmServer`; `async with` or `await close()`. (Not named `RunningServer`:
+    that is `kv_listener.httpserver`'s uvicorn handle, which this aiohttp one is not.)"""
 
     def __init__(self, runner: web.AppRunner, url: str, closing: asyncio.Event) -> None:
         self._runner = runner
@@ -195,13 +189,6 @@ class RunningServer:
         self._closing.set()
         await self._runner.cleanup()
 
-    async def __aenter__(self) -> RunningServer:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
+#: The old name, kept for `tests/reliability/harness.py` until its import follows the rename.
+RunningServer = ServedTrtllm
