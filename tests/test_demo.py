@@ -36,7 +36,7 @@ import time
 
 import pytest
 
-from kv_listener.demo import (
+from kv_listener.demo.view import (
     LEGEND,
     BackendCounters,
     BackendRow,
