@@ -207,34 +207,33 @@ def opt_int(x: Any) -> bool:
 # Longer arrays (a future field) are read up to what we know; shorter ones pad with None.
 
 
-def _vllm_stored_array(e: list[Any]) -> BlockStored:
-    n = len(e)
-    if n < 5:
-        raise EventDrop(DropReason.MALFORMED_EVENT)
-    f = e[:12] if n >= 12 else e + _NONES[: 12 - n]
-    _, hs, parent, toks, bs, lora_id, medium, lora_name, extra, group, kind, _window = f
-    # One expression instead of five helper calls: this runs once per event on the hot path.
+def _stored(hs: Any, parent: Any, toks: Any, bs: Any, lora_id: Any, lora_name: Any, medium: Any,
+            group: Any, extra: Any, salt: Any, kind: Any, pairs_ok: bool) -> BlockStored:
+    """The checks and normalization every layout of `BlockStored` shares (fields in model
+    order, as read from the wire; None for a field the layout does not have)."""
+    # One expression instead of six helper calls: this runs once per event on the hot path.
     if not (
         (lora_id is None or type(lora_id) is int)
         and (medium is None or type(medium) is str)
         and (lora_name is None or type(lora_name) is str)
         and (group is None or type(group) is int)
         and (kind is None or type(kind) is str)
+        and (salt is None or type(salt) is str)
     ):
         raise EventDrop(DropReason.MALFORMED_EVENT)
     return BlockStored(
-        wire_hashes(hs),
-        None if parent is None else wire_hash(parent),
-        wire_tokens(toks, False),
-        wire_block_size(bs),
-        lora_id,
-        lora_name,
-        medium,
-        group,
-        wire_extra_keys(extra),
-        None,
-        kind,
+        wire_hashes(hs), None if parent is None else wire_hash(parent), wire_tokens(toks, pairs_ok),
+        wire_block_size(bs), lora_id, lora_name, medium, group, wire_extra_keys(extra), salt, kind,
     )
+
+
+def _vllm_stored_array(e: list[Any]) -> BlockStored:
+    n = len(e)
+    if n < 5:
+        raise EventDrop(DropReason.MALFORMED_EVENT)
+    f = e[:12] if n >= 12 else e + _NONES[: 12 - n]
+    _, hs, parent, toks, bs, lora_id, medium, lora_name, extra, group, kind, _window = f
+    return _stored(hs, parent, toks, bs, lora_id, lora_name, medium, group, extra, None, kind, False)
 
 
 def _removed_array(e: list[Any]) -> BlockRemoved:
@@ -257,38 +256,11 @@ def _removed_array(e: list[Any]) -> BlockRemoved:
 
 def _vllm_stored_map(e: dict[Any, Any]) -> BlockStored:
     g = e.get
-    hs = g("block_hashes")
-    toks = g("token_ids")
-    bs = g("block_size")
+    hs, toks, bs = g("block_hashes"), g("token_ids"), g("block_size")
     if hs is None or toks is None or bs is None:
         raise EventDrop(DropReason.MALFORMED_EVENT)
-    lora_id = g("lora_id")
-    medium = g("medium")
-    lora_name = g("lora_name")
-    group = g("group_idx")
-    kind = g("kv_cache_spec_kind")
-    # One expression instead of five helper calls: this runs once per event on the hot path.
-    if not (
-        (lora_id is None or type(lora_id) is int)
-        and (medium is None or type(medium) is str)
-        and (lora_name is None or type(lora_name) is str)
-        and (group is None or type(group) is int)
-        and (kind is None or type(kind) is str)
-    ):
-        raise EventDrop(DropReason.MALFORMED_EVENT)
-    return BlockStored(
-        wire_hashes(hs),
-        None if (parent := g("parent_block_hash")) is None else wire_hash(parent),
-        wire_tokens(toks, False),
-        wire_block_size(bs),
-        lora_id,
-        lora_name,
-        medium,
-        group,
-        wire_extra_keys(g("extra_keys")),
-        None,
-        kind,
-    )
+    return _stored(hs, g("parent_block_hash"), toks, bs, g("lora_id"), g("lora_name"), g("medium"),
+                   g("group_idx"), g("extra_keys"), None, g("kv_cache_spec_kind"), False)
 
 
 def _removed_map(e: dict[Any, Any]) -> BlockRemoved:
@@ -326,58 +298,16 @@ def _sglang_stored_array(e: list[Any]) -> BlockStored:
         if type(meta) is not dict:
             raise EventDrop(DropReason.MALFORMED_EVENT)
         salt = meta.get("cache_salt")
-    if not (
-        (lora_id is None or type(lora_id) is int)
-        and (medium is None or type(medium) is str)
-        and (salt is None or type(salt) is str)
-    ):
-        raise EventDrop(DropReason.MALFORMED_EVENT)
-    return BlockStored(
-        wire_hashes(hs),
-        None if parent is None else wire_hash(parent),
-        wire_tokens(toks, True),
-        wire_block_size(bs),
-        lora_id,
-        None,
-        medium,
-        None,
-        None,
-        salt,
-        None,
-    )
+    return _stored(hs, parent, toks, bs, lora_id, None, medium, None, None, salt, None, True)
 
 
 def _sglang_stored_map(e: dict[Any, Any]) -> BlockStored:
     g = e.get
-    hs = g("block_hashes")
-    toks = g("token_ids")
-    bs = g("block_size")
+    hs, toks, bs = g("block_hashes"), g("token_ids"), g("block_size")
     if hs is None or toks is None or bs is None:
         raise EventDrop(DropReason.MALFORMED_EVENT)
-    lora_id = g("lora_id")
-    medium = g("medium")
-    lora_name = g("lora_name")
-    salt = g("cache_salt")
-    if not (
-        (lora_id is None or type(lora_id) is int)
-        and (medium is None or type(medium) is str)
-        and (lora_name is None or type(lora_name) is str)
-        and (salt is None or type(salt) is str)
-    ):
-        raise EventDrop(DropReason.MALFORMED_EVENT)
-    return BlockStored(
-        wire_hashes(hs),
-        None if (parent := g("parent_block_hash")) is None else wire_hash(parent),
-        wire_tokens(toks, True),
-        wire_block_size(bs),
-        lora_id,
-        lora_name,
-        medium,
-        None,
-        None,
-        salt,
-        None,
-    )
+    return _stored(hs, g("parent_block_hash"), toks, bs, g("lora_id"), g("lora_name"), g("medium"),
+                   None, None, g("cache_salt"), None, True)
 
 
 _Handler = Callable[[Any], KvEvent]
