@@ -327,14 +327,14 @@ class SessionInput(enum.Enum):
     END = "end"
 
 
-#: Ending twice, or draining after the end, changes nothing (disconnect and reload race).
+#: Draining after the end changes nothing (a stream's last bytes may arrive after a reload
+#: ended its session); a session ends once (the shell does not step an ended one again).
 SESSION_TABLE: dict[tuple[SessionState, SessionInput], SessionState] = {
     (SessionState.LIVE, SessionInput.DRAINING_SEEN): SessionState.DRAINING,
     (SessionState.LIVE, SessionInput.END): SessionState.ENDED,
     (SessionState.DRAINING, SessionInput.DRAINING_SEEN): SessionState.DRAINING,
     (SessionState.DRAINING, SessionInput.END): SessionState.ENDED,
     (SessionState.ENDED, SessionInput.DRAINING_SEEN): SessionState.ENDED,
-    (SessionState.ENDED, SessionInput.END): SessionState.ENDED,
 }
 
 
@@ -351,11 +351,9 @@ class StreamInput(enum.Enum):
 
 
 #: A stream is attached at most once (a second POST for it is a 404 the shell answers before
-#: stepping), and an end after the end changes nothing.
+#: stepping) and ends once (the first reason wins; the shell does not step again).
 STREAM_TABLE: dict[tuple[StreamState, StreamInput], StreamState] = {
     (StreamState.REQUESTED, StreamInput.ATTACH): StreamState.ATTACHED,
     (StreamState.REQUESTED, StreamInput.END): StreamState.ENDED_UNATTACHED,
     (StreamState.ATTACHED, StreamInput.END): StreamState.ENDED,
-    (StreamState.ENDED_UNATTACHED, StreamInput.END): StreamState.ENDED_UNATTACHED,
-    (StreamState.ENDED, StreamInput.END): StreamState.ENDED,
 }
