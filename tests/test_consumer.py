@@ -30,16 +30,16 @@ from kv_listener.core.sse import ControlEvent, encode_control, encode_record
 from kv_listener.outputs.bus_client import BusClient
 from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
-from kv_listener.router.admin import SourceStatus
 from kv_listener.router.bus_server import NoSession
 from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.consumer import (
-    Backoff,
     KvEventConsumerManager,
     NoSessionError,
     PrefixRecord,
     index_applier,
 )
+from kv_listener.router.consumer_state import SourceStatus
+from kv_listener.router.consumer_state import reconnect_backoff as Backoff
 from kv_listener.router.index import Holder, InMemoryKvIndex
 from kv_listener.router.metrics import RouterMetrics
 from tests.support.bus import TOKEN_A, listener_config, running_server, write_token

@@ -10,7 +10,9 @@ Owns, for one backend:
 - the bounded history that serves `Last-Event-ID` resume without gap or duplicate, and the resync
   rule for everything it cannot serve.
 
-Pure: no clock, no I/O. Callers pass `now` (wall-clock seconds, also used as the records' `ts`).
+The records are `core.records.Record`s, the one type the SSE encoder, the push path and the
+router read. Pure: no clock, no I/O. Callers pass `now` (wall-clock seconds, also used as the
+records' `ts`).
 """
 
 from __future__ import annotations
@@ -24,15 +26,10 @@ from collections.abc import Iterable
 import msgspec
 
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
+from kv_listener.core.records import Record, RecordEvent, upsert_event
 
-
-class RecordEvent(enum.StrEnum):
-    """Event types of numbered records (the SSE `event:` field). Values are metric labels."""
-
-    CACHE_CREATED = "cache_created"
-    CACHE_OFFLOADED = "cache_offloaded"
-    CACHE_EVICTED = "cache_evicted"
-    CACHE_CLEARED = "cache_cleared"
+# Record and RecordEvent are re-exported: the log's callers name them from here too.
+__all__ = ["EventLog", "Record", "RecordEvent", "Replay", "ResyncReason", "parse_event_id"]
 
 
 class ResyncReason(enum.StrEnum):
@@ -43,22 +40,6 @@ class ResyncReason(enum.StrEnum):
     UNKNOWN_EPOCH = "unknown_epoch"  # another listener run (or a re-added backend)
     TOO_OLD = "too_old"  # older than the history
     AHEAD = "ahead"  # newer than anything this log produced
-
-
-class Record(msgspec.Struct, frozen=True, gc=False):
-    """One record of a backend's stream. `id` is None for the unnumbered records of a resync.
-
-    `prefix_hash` is None for `cache_cleared`; `token_count` and `tier` are None for
-    `cache_evicted` and `cache_cleared`.
-    """
-
-    id: str | None
-    event: RecordEvent
-    backend: str
-    prefix_hash: str | None
-    token_count: int | None
-    tier: Tier | None
-    ts: float
 
 
 class Replay(msgspec.Struct, frozen=True, gc=False):
@@ -76,10 +57,6 @@ class _Pending(msgspec.Struct, gc=False):
     token_count: int
     tier: Tier
     due: float
-
-
-def _upsert_event(tier: Tier) -> RecordEvent:
-    return RecordEvent.CACHE_CREATED if tier is Tier.GPU_HOT else RecordEvent.CACHE_OFFLOADED
 
 
 def parse_event_id(event_id: str) -> tuple[str, int] | None:
@@ -270,7 +247,7 @@ class EventLog:
         self, prefix: str, token_count: int, tier: Tier, now: float, out: list[Record]
     ) -> None:
         self._live[prefix] = (token_count, tier, now)
-        out.append(self._append(_upsert_event(tier), prefix, token_count, tier, now))
+        out.append(self._append(upsert_event(tier), prefix, token_count, tier, now))
 
     def _evict(self, prefix: str, now: float, out: list[Record]) -> None:
         self._pending.pop(prefix, None)
@@ -299,7 +276,7 @@ class EventLog:
             now = self._history[-1].ts if self._history else 0.0
         records = [Record(None, RecordEvent.CACHE_CLEARED, self.backend, None, None, None, now)]
         records.extend(
-            Record(None, _upsert_event(tier), self.backend, prefix, count, tier, ts)
+            Record(None, upsert_event(tier), self.backend, prefix, count, tier, ts)
             for prefix, (count, tier, ts) in self._live.items()
         )
         last = records[-1]

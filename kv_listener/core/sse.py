@@ -1,12 +1,13 @@
 """SSE wire format of the prefix event stream (SPEC §6), both directions.
 
-Owns the exact bytes: `encode_record` / `encode_control` / `encode_comment` produce what
+Owns the exact bytes: `encode_record` / `encode_control` / `encode_comment` frame what
 `GET /events/{backend}` and the push-mode stream bodies carry (one implementation, so the two
 transports cannot drift apart), and `SseParser` reads them back incrementally (router consumer,
 event-bus server, tests). Pure: no I/O.
 
-Encoding rules: `\n` line ends; `id:` line only for numbered records; data is compact JSON with
-the keys in SPEC order; `ts` rounded to milliseconds.
+Encoding rules: `\n` line ends; `id:` line only for numbered records; the data line is
+`core.records`' one encoding of the record (compact JSON, keys in SPEC order, `ts` rounded to
+milliseconds).
 Parsing follows the WHATWG event-stream rules (CR, LF and CRLF line ends, a leading BOM, comments,
 `data:` lines joined by `\n`, a block without data dispatches nothing) with two caps a hostile
 peer cannot get past: one line, and one event's data, at most 1 MiB each by default.
@@ -14,82 +15,31 @@ peer cannot get past: one line, and one event's data, at most 1 MiB each by defa
 
 from __future__ import annotations
 
-import enum
-import functools
-import json
 from collections.abc import Iterable
 
 import msgspec
 
-from kv_listener.core.eventlog import Record, RecordEvent
+from kv_listener.core.records import ControlEvent, Record, control_data, encode_data, record_data
 
-_SEPARATORS = (",", ":")
+# ControlEvent and record_data are re-exported: SSE users name them from here too.
+__all__ = [
+    "MAX_DATA_BYTES", "MAX_LINE_BYTES", "PING", "ControlEvent", "SseError", "SseEvent",
+    "SseParser", "encode_comment", "encode_control", "encode_record", "encode_records",
+    "parse_sse", "record_data",
+]
+
 MAX_LINE_BYTES = 1 << 20
 MAX_DATA_BYTES = 1 << 20
 PING = b": ping\n\n"
 
 
-class ControlEvent(enum.StrEnum):
-    """Stream-control records: no `id:`, the stream ends after them. Values are metric labels."""
-
-    DRAINING = "draining"
-    BUFFER_OVERFLOW = "buffer_overflow"
-
-
-def record_data(record: Record) -> dict[str, object]:
-    """The JSON object of a record's `data:` line, keys in SPEC order."""
-    data: dict[str, object] = {"event": record.event.value, "backend": record.backend}
-    if record.event is not RecordEvent.CACHE_CLEARED:
-        data["prefix_hash"] = record.prefix_hash
-    if record.event is RecordEvent.CACHE_CREATED or record.event is RecordEvent.CACHE_OFFLOADED:
-        data["token_count"] = record.token_count
-        data["tier"] = None if record.tier is None else record.tier.value
-    data["ts"] = round(record.ts, 3)
-    return data
-
-
 def encode_record(record: Record) -> bytes:
     """`id: <id>\\nevent: <event>\\ndata: <json>\\n\\n` (no id line when `record.id` is None)."""
-    data = _plain_data(record)
-    if data is None:
-        data = json.dumps(record_data(record), separators=_SEPARATORS)
+    data = encode_data(record)
     # f"{member}" of a StrEnum is its value, without the Python-level `.value` property
     if record.id is not None:
         return f"id: {record.id}\nevent: {record.event}\ndata: {data}\n\n".encode()
     return f"event: {record.event}\ndata: {data}\n\n".encode()
-
-
-_UPSERTS = (RecordEvent.CACHE_CREATED, RecordEvent.CACHE_OFFLOADED)
-
-
-def _plain_data(record: Record) -> str | None:
-    """The hot path (two records per block on a busy engine): the same text as
-    `json.dumps(record_data(record))`, written directly; None when a field is not of the plain
-    kind this relies on (then the caller uses `json.dumps`). Nothing here needs JSON escaping:
-    a prefix hash of ASCII letters and digits, the backend name quoted by `json.dumps` once
-    (`_head`), enum values, an int, and a finite float, whose JSON form is its `repr`."""
-    event = record.event
-    ts = round(record.ts, 3)
-    if type(ts) is not float or ts - ts != 0.0:
-        return None
-    head = _head(event, record.backend)
-    if event is RecordEvent.CACHE_CLEARED:
-        return f'{head},"ts":{ts!r}}}'
-    prefix = record.prefix_hash
-    if prefix is None or not (prefix.isascii() and prefix.isalnum()):
-        return None
-    if event not in _UPSERTS:
-        return f'{head},"prefix_hash":"{prefix}","ts":{ts!r}}}'
-    count, tier = record.token_count, record.tier
-    if type(count) is not int or tier is None:
-        return None
-    return f'{head},"prefix_hash":"{prefix}","token_count":{count},"tier":"{tier}","ts":{ts!r}}}'
-
-
-@functools.lru_cache(maxsize=1024)
-def _head(event: RecordEvent, backend: str) -> str:
-    """`{"event":"...","backend":"..."` (a few backends per process)."""
-    return f'{{"event":"{event.value}","backend":{json.dumps(backend)}'
 
 
 def encode_records(records: Iterable[Record]) -> bytes:
@@ -98,8 +48,7 @@ def encode_records(records: Iterable[Record]) -> bytes:
 
 def encode_control(event: ControlEvent, backend: str) -> bytes:
     """`event: draining\\ndata: {"event":"draining","backend":"..."}\\n\\n` (no id line)."""
-    data = json.dumps({"event": event.value, "backend": backend}, separators=_SEPARATORS)
-    return f"event: {event.value}\ndata: {data}\n\n".encode()
+    return f"event: {event.value}\ndata: {control_data(event, backend)}\n\n".encode()
 
 
 def encode_comment(text: str) -> bytes:

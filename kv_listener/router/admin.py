@@ -35,7 +35,6 @@ import asyncio
 import datetime
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -47,11 +46,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kv_listener.core.records import is_prefix_hash
 from kv_listener.router.config import AdminAuthConfig, RouterConfig
-from kv_listener.router.index import PREFIX_HASH_RE, BackendEntries, IndexStats, KvIndex
+from kv_listener.router.consumer_state import SourceStatus
+from kv_listener.router.index import BackendEntries, IndexStats, KvIndex
 from kv_listener.router.metrics import AuthFailure, RouterMetrics
 from kv_listener.router.oplog import LogThrottle
-from kv_listener.router.redis_index import REDIS_ERRORS, IndexUnavailableError
+from kv_listener.router.redis_store import REDIS_ERRORS, IndexUnavailableError
 from kv_listener.router.scorer import KvOverlapScorer, PreparedPrefix
 
 log = structlog.get_logger(__name__)
@@ -66,20 +67,6 @@ _AUTH_ERRORS = {
     AuthFailure.MALFORMED: "malformed authorization header (expected: Bearer <token>)",
     AuthFailure.INVALID: "invalid bearer token",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class SourceStatus:
-    """What the consumer manager reports per event source (the seed's per-source stats)."""
-
-    backend_name: str
-    connected: bool = False
-    events_received: int = 0
-    events_dropped: int = 0
-    index_created: int = 0  # cache_created applied
-    index_evicted: int = 0  # cache_evicted applied
-    reconnect_count: int = 0
-    last_event_at: float | None = None  # wall clock (epoch seconds) of the last event
 
 
 def _iso(ts: float | None) -> str | None:
@@ -254,7 +241,7 @@ def create_admin_app(
 
     async def prefix(request: Request) -> Response:
         prefix_hash = request.path_params["prefix_hash"]
-        if not PREFIX_HASH_RE.match(prefix_hash):
+        if not is_prefix_hash(prefix_hash):
             # Not a prefix hash at all (uppercase included: SPEC §2 keys are lowercase and the
             # index never holds another form), so no prefix could ever be found under it.
             return JSONResponse({"error": "malformed prefix_hash: expected 64 lowercase hex "

@@ -1,9 +1,10 @@
 """The router's KV index: which backend holds which prefix, how many tokens of it, in which tier.
 
-Owns: the index contract both implementations honour (`KvIndex`), the prefix event it applies
-(`IndexEvent`, validated on construction so an index never stores a malformed key), the tier
-transition rule of SPEC §8 (`transition`, shared by the memory and Redis indexes), and
-`InMemoryKvIndex`.
+Owns: the index contract both implementations honour (`KvIndex`), the tier transition rule of
+SPEC §8 (`transition`, shared by the memory and Redis indexes), and `InMemoryKvIndex`. What an
+index applies is the one prefix record of `core.records` (`Record`), validated before it gets
+here: by `core.records.decode_data` (the consumer), or by `IndexEvent` for a router that builds
+its own records, so an index never stores a malformed key.
 
 Tier transitions (SPEC §8; the seed's table is missing):
 - `cache_created`   -> GpuHot with the event's token_count (an upsert);
@@ -24,8 +25,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import enum
-import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -34,46 +33,36 @@ from typing import Any
 
 import structlog
 
-from kv_listener.config import BACKEND_NAME_RE
+from kv_listener.configkit import BACKEND_NAME_RE
 from kv_listener.core.model import Tier
+from kv_listener.core.records import Record, RecordEvent, default_tier, is_prefix_hash, is_token_count
 from kv_listener.router.config import StorageOffloadingConfig
 
 log = structlog.get_logger(__name__)
 
-PREFIX_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 #: Share of `max_entries` evicted at once when the in-memory index is full (seed: 10%).
 EVICT_FRACTION = 0.10
 
-
-class PrefixEventType(enum.StrEnum):
-    """The four prefix events of the listener's stream (SPEC §6)."""
-
-    CACHE_CREATED = "cache_created"
-    CACHE_OFFLOADED = "cache_offloaded"
-    CACHE_EVICTED = "cache_evicted"
-    CACHE_CLEARED = "cache_cleared"
+#: The four prefix events, by the name the index API has always used for them.
+PrefixEventType = RecordEvent
 
 
-@dataclass(frozen=True, slots=True)
-class IndexEvent:
-    """One prefix event for one backend. Raises ValueError when a field is malformed, so the
-    consumer can count a drop and an index never sees a key it could not store safely."""
-
-    type: PrefixEventType
-    backend: str
-    prefix_hash: str | None = None  # 64 lowercase hex; None only for cache_cleared
-    token_count: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.backend, str) or not BACKEND_NAME_RE.match(self.backend):
-            raise ValueError(f"invalid backend name {self.backend!r}")
-        if self.type is PrefixEventType.CACHE_CLEARED:
-            return
-        if not isinstance(self.prefix_hash, str) or not PREFIX_HASH_RE.match(self.prefix_hash):
-            raise ValueError("prefix_hash must be 64 lowercase hex characters")
-        if (not isinstance(self.token_count, int) or isinstance(self.token_count, bool)
-                or not 0 <= self.token_count < 1 << 53):
-            raise ValueError("token_count must be a non-negative integer")
+def IndexEvent(type: RecordEvent, backend: str, prefix_hash: str | None = None,
+               token_count: int = 0) -> Record:
+    """A validated prefix record of `backend` for `KvIndex.apply`, from the four fields an index
+    reads (the name and argument order of the index API; `type` is the record's event; the
+    upserts get their default tier). Raises ValueError naming the malformed field."""
+    if not isinstance(backend, str) or not BACKEND_NAME_RE.match(backend):
+        raise ValueError(f"invalid backend name {backend!r}")
+    if type is RecordEvent.CACHE_CLEARED:
+        return Record(None, type, backend, None, None, None, None)
+    if not is_prefix_hash(prefix_hash):
+        raise ValueError("prefix_hash must be 64 lowercase hex characters")
+    if not is_token_count(token_count):
+        raise ValueError("token_count must be a non-negative integer")
+    if type is RecordEvent.CACHE_EVICTED:
+        return Record(None, type, backend, prefix_hash, None, None, None)
+    return Record(None, type, backend, prefix_hash, token_count, default_tier(type), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,23 +151,23 @@ Outcome = Upsert | _Keep | _Remove
 
 
 def transition(
-    event_type: PrefixEventType,
+    event_type: RecordEvent,
     token_count: int,
     current: tuple[Tier, int] | None,
     offloading: StorageOffloadingConfig,
 ) -> Outcome:
     """What one prefix event does to the (prefix, backend) entry `current` ((tier, tokens) or
     None). `cache_cleared` is per backend, not per entry: callers handle it."""
-    if event_type is PrefixEventType.CACHE_CREATED:
+    if event_type is RecordEvent.CACHE_CREATED:
         return Upsert(Tier.GPU_HOT, token_count)
-    if event_type is PrefixEventType.CACHE_OFFLOADED:
+    if event_type is RecordEvent.CACHE_OFFLOADED:
         if not offloading.enabled:
             return REMOVE  # only GPU data is tracked
         if token_count > 0:
             return Upsert(Tier.STORAGE_WARM, token_count)
         # The seed's token_count is optional: keep the count we know, if any.
         return Upsert(Tier.STORAGE_WARM, current[1]) if current is not None else KEEP
-    if event_type is PrefixEventType.CACHE_EVICTED:
+    if event_type is RecordEvent.CACHE_EVICTED:
         if offloading.enabled and offloading.treat_eviction_as_offload:
             if current is not None and current[0] is Tier.GPU_HOT:
                 return Upsert(Tier.STORAGE_WARM, current[1])
@@ -194,8 +183,8 @@ class KvIndex(abc.ABC):
     """prefix_hash -> {backend -> (token_count, tier)}. Async because Redis is."""
 
     @abc.abstractmethod
-    async def apply(self, event: IndexEvent) -> None:
-        """Apply one prefix event (see the module docstring for the tier rule)."""
+    async def apply(self, event: Record) -> None:
+        """Apply one validated prefix record (see the module docstring for the tier rule)."""
 
     @abc.abstractmethod
     async def query(self, prefix_hash: str) -> list[Holder]:
@@ -280,13 +269,13 @@ class InMemoryKvIndex(KvIndex):
 
     # Synchronous core, also used by the Redis index's fallback.
 
-    def apply_now(self, event: IndexEvent) -> None:
-        if event.type is PrefixEventType.CACHE_CLEARED:
+    def apply_now(self, event: Record) -> None:
+        if event.event is RecordEvent.CACHE_CLEARED:
             for cleared in list(self._by_backend.get(event.backend, ())):
                 self._remove(cleared, event.backend)
             return
         ph = event.prefix_hash
-        assert ph is not None  # validated by IndexEvent
+        assert ph is not None  # validated: core.records.decode_data or IndexEvent
         now = self._clock()
         entry = self._by_prefix.get(ph, {}).get(event.backend)
         if entry is not None and now - entry.updated_at >= self.ttl_s:
@@ -294,7 +283,8 @@ class InMemoryKvIndex(KvIndex):
             self._n.expired += 1
             entry = None
         current = (entry.tier, entry.token_count) if entry is not None else None
-        outcome = transition(event.type, event.token_count, current, self.offloading)
+        # token_count is None only where the tier rule does not read it (evicted)
+        outcome = transition(event.event, event.token_count or 0, current, self.offloading)
         if isinstance(outcome, Upsert):
             self.upsert(ph, event.backend, outcome.tier, outcome.token_count, now)
         elif outcome is REMOVE and entry is not None:
@@ -396,7 +386,7 @@ class InMemoryKvIndex(KvIndex):
 
     # The async contract.
 
-    async def apply(self, event: IndexEvent) -> None:
+    async def apply(self, event: Record) -> None:
         self.apply_now(event)
 
     async def query(self, prefix_hash: str) -> list[Holder]:
