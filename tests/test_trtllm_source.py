@@ -31,6 +31,7 @@ from kv_listener.sources.trtllm import (
     PeerNotAllowed,
     TrtllmSource,
     backoff_delay,
+    poll_backoff,
 )
 from kv_listener.stats import SourceStats
 from tests.support.queues import get, get_batch
@@ -203,6 +204,16 @@ def test_backoff_delay_is_capped() -> None:
     assert backoff_delay(0.1, 3, 30.0) == pytest.approx(0.8)
     assert backoff_delay(0.1, 20, 30.0) == 30.0
     assert backoff_delay(0.1, 10_000, 30.0) == 30.0
+
+
+def test_the_poll_backoff_is_the_shared_backoff_from_twice_the_interval() -> None:
+    backoff = poll_backoff(0.1, 1.0)
+    assert [backoff.next_delay() for _ in range(6)] == [0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    assert [backoff_delay(0.1, n, 1.0) for n in range(1, 7)] == [0.2, 0.4, 0.8, 1.0, 1.0, 1.0]
+    # A cap under two intervals (engine_down_after / 4 can be that short) is every delay.
+    capped = poll_backoff(1.0, 1.5)
+    assert [capped.next_delay() for _ in range(3)] == [1.5, 1.5, 1.5]
+    assert backoff_delay(1.0, 1, 1.5) == 1.5
 
 
 async def test_timeout_is_counted_then_polling_recovers() -> None:

@@ -25,6 +25,7 @@ from kv_listener.core.model import (
 )
 from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
+from kv_listener.sources import zmq as zmq_source_module
 from kv_listener.sources.common import QueueFeeder, batch_tokens
 from kv_listener.sources.zmq import ZmqSource
 from kv_listener.stats import SourceStats
@@ -585,3 +586,35 @@ def test_the_queue_is_bounded_in_token_ids_too() -> None:
     assert batch_tokens(last) == 50
     stats.queued_tokens -= batch_tokens(last)
     assert feeder.put(batch(200))  # alone in the queue, any size is taken (the caps bound it)
+
+
+async def test_a_busy_port_is_retried_with_the_doubling_backoff(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The bind/connect retry is kv_listener.backoff.Backoff: first delay, doubling, capped.
+    monkeypatch.setattr(zmq_source_module, "_BIND_RETRY_S", 0.001)
+    monkeypatch.setattr(zmq_source_module, "_BIND_RETRY_MAX_S", 0.004)
+    ctx = zmq.Context()
+    holder = ctx.socket(zmq.PUB)
+    holder.bind("tcp://127.0.0.1:0")
+    endpoint = holder.getsockopt_string(zmq.LAST_ENDPOINT)
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(10)
+    source = ZmqSource(config(zmq_endpoint=endpoint), queue, SourceStats(engine="vllm"))
+    with capture_logs() as logs:
+        task = asyncio.create_task(source.run())
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                await source.first_attach.wait()
+                assert source.attach_error is not None and "Address already in use" in source.attach_error
+                while sum(e["event"] == "zmq_attach_failed" for e in logs) < 5:
+                    await asyncio.sleep(0.001)  # the retries' own pauses: nothing to await
+                holder.close(linger=0)
+                await source.ready.wait()
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            holder.close(linger=0)
+            ctx.term()
+    delays = [e["retry_in_s"] for e in logs if e["event"] == "zmq_attach_failed"]
+    assert delays[:5] == [0.001, 0.002, 0.004, 0.004, 0.004]
+    assert source.attach_error is None and source.endpoint == endpoint

@@ -68,8 +68,8 @@ class HubDraining(StreamError):
         super().__init__("the listener is draining")
 
 
-class EndReason(enum.StrEnum):
-    """Why a stream ended. Values are metric labels."""
+class ConsumerEnd(enum.StrEnum):
+    """Why one consumer's stream ended: the keys of `streams_ended` in `/stats`."""
 
     CLOSED = "closed"  # the consumer went away (or the transport closed the iterator)
     BUFFER_OVERFLOW = "buffer_overflow"
@@ -85,7 +85,7 @@ class StreamCounters:
     resyncs: Counter[str] = field(default_factory=Counter)  # ResyncReason -> streams opened
     resumes: int = 0  # streams opened with a replay from the history
     streams_opened: int = 0
-    streams_ended: Counter[str] = field(default_factory=Counter)  # EndReason -> n
+    streams_ended: Counter[str] = field(default_factory=Counter)  # ConsumerEnd -> n
     overflows: int = 0
     rejected_batches: int = 0  # transition batches the event log refused (tracker bug)
 
@@ -96,7 +96,7 @@ class _Consumer:
     def __init__(self) -> None:
         self.queue: deque[bytes] = deque()  # one encoded record per item
         self.wake = asyncio.Event()
-        self.end: EndReason | None = None  # set: no more records will be queued
+        self.end: ConsumerEnd | None = None  # set: no more records will be queued
 
 
 class BackendStreams:
@@ -129,14 +129,14 @@ class BackendStreams:
             if c.queue and len(c.queue) + len(encoded) > self.max_lag:
                 # Free its backlog now; it resumes from the last ID it holds.
                 c.queue.clear()
-                c.end = EndReason.BUFFER_OVERFLOW
+                c.end = ConsumerEnd.BUFFER_OVERFLOW
                 self.counters.overflows += 1
                 log.warning("sse_buffer_overflow", backend=self.backend, max_lag=self.max_lag)
             else:
                 c.queue.extend(encoded)
             c.wake.set()
 
-    def end_all(self, reason: EndReason) -> None:
+    def end_all(self, reason: ConsumerEnd) -> None:
         for c in self.consumers:
             if c.end is None:
                 c.end = reason
@@ -186,9 +186,9 @@ class EventStream:
             if c.end is not None:
                 reason = c.end
                 self._finish(reason)
-                if reason is EndReason.BUFFER_OVERFLOW:
+                if reason is ConsumerEnd.BUFFER_OVERFLOW:
                     return encode_control(ControlEvent.BUFFER_OVERFLOW, self.backend)
-                if reason in (EndReason.DRAINING, EndReason.BACKEND_REMOVED):
+                if reason in (ConsumerEnd.DRAINING, ConsumerEnd.BACKEND_REMOVED):
                     return encode_control(ControlEvent.DRAINING, self.backend)
                 raise StopAsyncIteration
             c.wake.clear()
@@ -203,7 +203,7 @@ class EventStream:
 
     def close(self) -> None:
         """Unregister now (idempotent). Further iteration ends."""
-        self._finish(EndReason.CLOSED)
+        self._finish(ConsumerEnd.CLOSED)
 
     async def aclose(self) -> None:
         self.close()
@@ -214,7 +214,7 @@ class EventStream:
     async def __aexit__(self, *exc: object) -> None:
         self.close()
 
-    def _finish(self, reason: EndReason) -> None:
+    def _finish(self, reason: ConsumerEnd) -> None:
         if self._closed:
             return
         self._closed = True
@@ -293,7 +293,7 @@ class StreamHub:
         b = self._backends.pop(name, None)
         if b is None:
             return
-        b.end_all(EndReason.BACKEND_REMOVED)
+        b.end_all(ConsumerEnd.BACKEND_REMOVED)
         log.info("sse_backend_removed", backend=name, streams=len(b.consumers))
 
     def sync_backends(self, names: Iterable[str]) -> tuple[list[str], list[str]]:
@@ -412,7 +412,7 @@ class StreamHub:
         ends at its next read. Returns True when every stream closed in time."""
         self._draining = True
         for b in self._backends.values():
-            b.end_all(EndReason.DRAINING)
+            b.end_all(ConsumerEnd.DRAINING)
         try:
             async with asyncio.timeout(timeout_s):
                 await self.wait_clients(lambda n: n == 0)

@@ -139,7 +139,8 @@ class TrtllmSource:
         max_backoff_s = (max_backoff_s if down_after is None else
                          min(max_backoff_s, max(config.poll_interval_s, down_after / 4)))
         self._backoff = poll_backoff(config.poll_interval_s, max_backoff_s)
-        self._next_delay_s = config.poll_interval_s
+        #: The pause before the next poll: the interval, or the backoff after failed polls.
+        self.next_delay_s = config.poll_interval_s
         self._max_body = max_body_bytes
         self._inflight_since: float | None = None
         self._log = log.bind(backend=config.backend_name)
@@ -151,11 +152,6 @@ class TrtllmSource:
     def failures(self) -> int:
         """Consecutive failed polls (0 after a success)."""
         return self._backoff.failures
-
-    @property
-    def next_delay_s(self) -> float:
-        """The pause before the next poll: the interval, or the backoff after failed polls."""
-        return self._next_delay_s
 
     def is_ready(self, now: float | None = None) -> bool:
         """The last poll succeeded and one succeeded (or started) within three intervals."""
@@ -252,16 +248,16 @@ class TrtllmSource:
 
     def _failed(self, reason: PollErrorReason, detail: str, errno: int | None = None) -> None:
         self.stats.poll_failed(reason.value)
-        self._next_delay_s = self._backoff.next_delay()
+        self.next_delay_s = self._backoff.next_delay()
         self._log.warning("trtllm_poll_failed", url=self._logged_url, reason=reason.value,
                           detail=detail, errno=errno, failures=self._backoff.failures,
-                          retry_in_s=round(self._next_delay_s, 3))
+                          retry_in_s=round(self.next_delay_s, 3))
 
     def _succeeded(self) -> None:
         if self._backoff.failures:
             self._log.info("trtllm_poll_recovered", after_failures=self._backoff.failures)
         self._backoff.reset()
-        self._next_delay_s = self.config.poll_interval_s
+        self.next_delay_s = self.config.poll_interval_s
         self.stats.poll_succeeded(time.monotonic())
 
 

@@ -1,0 +1,159 @@
+"""One source's runtime owns its counting: each `SourceStats` counter moves in one method, the
+parts of a source call those methods, and what `/stats`, `/readyz/{backend}` and `/metrics` show
+of the queue and the tracker is read from them when asked."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import dataclasses
+from array import array
+from collections import Counter
+from pathlib import Path
+
+from kv_listener.config import parse_config
+from kv_listener.core.liveness import LivenessChange
+from kv_listener.core.model import AllBlocksCleared, BlockStored, ClearReason, EventBatch, SourceCleared
+from kv_listener.metrics import ListenerCollector, new_registry, render
+from kv_listener.outputs.streams import StreamHub
+from kv_listener.runtime import SourceRuntime
+from kv_listener.sources.common import QueueFeeder
+from kv_listener.stats import SourceStats
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1] / "kv_listener"
+BACKEND = "vllm-1"
+
+
+def runtime() -> SourceRuntime:
+    cfg = parse_config({"sources": [{"backend_name": BACKEND, "engine": "vllm", "model": "m",
+                                     "zmq_endpoint": f"tcp://127.0.0.1:{free_port()}"}]})
+    return SourceRuntime(cfg.sources[0], cfg, StreamHub.from_config(cfg), None)
+
+
+def stored(h: int, n_tokens: int) -> BlockStored:
+    return BlockStored(block_hashes=(h,), parent_hash=None, token_ids=array("I", range(n_tokens)),
+                       block_size=n_tokens)
+
+
+def test_each_fact_moves_its_own_counters() -> None:
+    st = SourceStats(engine="vllm")
+    st.frame_received()
+    st.received(5, 3, Counter({"unknown_tag": 2}), 12.5)
+    st.received(1, 1, Counter(), None)  # no time: the last batch's stays
+    assert (st.batches_received, st.events_received, st.events_decoded) == (1, 6, 4)
+    assert (st.last_event_at, st.events_dropped) == (12.5, {"unknown_tag": 2})
+    st.dropped("bad_seq")
+    st.dropped_by_reason({"unknown_tag": 1})
+    assert st.events_dropped == {"unknown_tag": 3, "bad_seq": 1}
+    st.gap_found()
+    st.gap_found(2)
+    st.replay_ended(covered=True)
+    st.replay_ended(covered=False)
+    st.replay_ended(covered=False)
+    assert (st.gaps, st.replays, st.replay_failures) == (3, 1, 2)
+    st.startup_replayed("partial", 4, 7)
+    st.startup_replayed("timeout")  # a later empty one keeps what the first applied
+    assert (st.startup_replay, st.startup_replay_batches, st.startup_replay_from_seq) == \
+        ("timeout", 4, 7)
+    st.publisher_refused()
+    st.publishers_now(2)
+    st.publishers_now(1, lost=True)
+    assert (st.refused_publishers, st.publishers_connected, st.zmq_disconnects) == (1, 1, 1)
+    st.attached(True)
+    st.poll_failed("timeout")
+    assert not st.ready and st.poll_errors == {"timeout": 1}
+    st.poll_succeeded(3.0)
+    assert st.ready and st.last_ok_at == 3.0
+    st.engine_is("down", went_down=True)
+    st.engine_is("up")
+    assert (st.engine_state, st.engine_downs) == ("up", 1)
+    st.tokens_queued(10)
+    st.tokens_queued(-4)
+    st.cleared("gap")
+    st.cleared("engine_cleared", 2)
+    st.restarted()
+    st.salt_rejections(5)
+    assert (st.queued_tokens, st.clears, st.ready) == (6, {"gap": 1, "engine_cleared": 2}, False)
+    assert (st.source_restarts, st.salt_rejected) == (1, 5)
+    st.detokenize_called()
+    st.tokenize_called()
+    st.detokenize_failed("timeout")
+    assert (st.detokenize_calls, st.tokenize_calls, st.detokenize_errors) == (1, 1, {"timeout": 1})
+
+
+def _stats_writes(source: str, fields: set[str]) -> list[int]:
+    """Lines of `x.stats.<field> = / += ...` (or `stats.<field>[k] += ...`) in `source`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AugAssign) else []
+        for written in targets:
+            target = written.value if isinstance(written, ast.Subscript) else written
+            if isinstance(target, ast.Attribute) and target.attr in fields and \
+                    ast.unparse(target.value).endswith("stats"):
+                found.append(node.lineno)
+    return found
+
+
+def test_no_part_of_a_source_assigns_a_counter_itself() -> None:
+    fields = {f.name for f in dataclasses.fields(SourceStats)} - {"engine"}
+    modules = [*sorted((ROOT / "sources").glob("*.py")), ROOT / "runtime.py", ROOT / "app.py"]
+    writes = {m.name: w for m in modules if (w := _stats_writes(m.read_text(), fields))}
+    assert writes == {}
+    # the check itself sees such writes
+    assert _stats_writes("self.stats.gaps += 1\nx = 1\nself._stats.clears['gap'] += 1\n"
+                         "stats.ready = True\n", fields) == [1, 3, 4]
+
+
+def test_queue_depth_is_read_from_the_queue_when_asked() -> None:
+    rt = runtime()
+    for _ in range(3):
+        rt.queue.put_nowait(SourceCleared(ClearReason.GAP))
+    assert rt.stats_entry()["queue_depth"] == 3
+    assert rt.view().queue_depth == 3
+    text = render(new_registry(ListenerCollector(lambda: [rt.view()]))).decode()
+    assert f'continuum_kv_listener_queue_depth{{backend="{BACKEND}"}} 3.0' in text
+    rt.queue.get_nowait()
+    assert rt.stats_entry()["queue_depth"] == rt.view().queue_depth == 2
+
+
+def test_the_tracker_salt_rejections_show_as_the_source_counter() -> None:
+    rt = runtime()
+    rt.tracker.salt_rejected = 2
+    assert rt.stats_entry()["salt_rejected"] == 2
+    assert rt.stats.salt_rejected == 2
+
+
+def test_readiness_entry_of_an_unwatched_source_before_it_attached() -> None:
+    rt = runtime()
+    assert rt.readiness_entry() == {
+        "backend": BACKEND, "ready": False, "reason": "not_attached", "engine": "vllm",
+        "engine_state": "off", "publishers_connected": 0}
+
+
+def test_an_engine_down_clear_is_counted_even_when_the_queue_is_full() -> None:
+    rt = runtime()
+    rt.queue = asyncio.Queue(1)
+    rt.queue.put_nowait(SourceCleared(ClearReason.GAP))
+    rt._on_liveness(LivenessChange.WENT_DOWN, 0.0)
+    assert rt.stats.clears == {"engine_down": 1}
+    assert rt.readiness() == "engine_down" and rt.queue.qsize() == 1
+
+
+async def test_the_pump_gives_back_the_tokens_it_takes_and_counts_engine_clears() -> None:
+    rt = runtime()
+    feeder = QueueFeeder(rt.queue, rt.stats, BACKEND)
+    assert feeder.put(EventBatch(0.0, (stored(1, 4), stored(2, 4)), 0, 0))
+    assert feeder.put(EventBatch(0.0, (AllBlocksCleared(),), 0, 1))
+    assert rt.stats.queued_tokens == 8
+    pump = asyncio.create_task(rt._pump())
+    try:
+        async with asyncio.timeout(5):
+            while not rt.queue.empty() or rt.stats.queued_tokens:
+                await asyncio.sleep(0)  # yield until the pump took both batches
+    finally:
+        pump.cancel()
+        rt.hub.close()
+    assert rt.stats.queued_tokens == 0
+    assert rt.stats.clears == {"engine_cleared": 1}
