@@ -1,4 +1,8 @@
-"""Companion router module: consumers, event-bus server, KV index, scorer, admin. Imports core only.
+"""Companion router module: consumers, event-bus server, KV index, scorer, admin.
+
+Imports the core (`core.records` is the prefix record it consumes and indexes), the config
+toolkit (`configkit`) and the small shared edges (`backoff`, `httpserver`, `logging`, `errors`,
+`metrics`, `reloading`); never the listener's `config`, sources, outputs or resolver.
 
 What an embedding Python router needs first is exported here: the request-side prefix key
 (SPEC §2) and the cache salt it may send with each request (SPEC §3).
