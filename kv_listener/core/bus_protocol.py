@@ -88,6 +88,8 @@ class BusProtocolError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """The listener's one-line request body: who it is and which backends it announces."""
+
     role: Role
     client_id: str
     sources: tuple[str, ...]
@@ -96,11 +98,16 @@ class Hello:
 
 @dataclass(frozen=True, slots=True)
 class Welcome:
+    """The router accepted the session (always its first line)."""
+
     session_id: str
 
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
+    """Push `announced_source` from `last_event_id` (None: a new consumer, resync) as stream
+    `stream_id`."""
+
     stream_id: str
     announced_source: str
     last_event_id: str | None
@@ -108,11 +115,15 @@ class Subscribe:
 
 @dataclass(frozen=True, slots=True)
 class Unsubscribe:
+    """End that stream's request body (within 1 s)."""
+
     stream_id: str
 
 
 @dataclass(frozen=True, slots=True)
 class Forbidden:
+    """The credential no longer allows this session: it ends."""
+
     reason: str
 
 
