@@ -189,6 +189,3 @@ class ServedTrtllm(AsyncLifecycle):
         self._closing.set()
         await self._runner.cleanup()
 
-
-#: The old name, kept for `tests/reliability/harness.py` until its import follows the rename.
-RunningServer = ServedTrtllm

@@ -37,7 +37,7 @@ from kv_listener.sim.detokenize_server import DetokenizeServer, tokenizer_info
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.engine import WIRE_VERSION, EngineCore, SimEngine, render_chat
 from kv_listener.sim.trtllm_server import PATH as TRTLLM_PATH
-from kv_listener.sim.trtllm_server import RunningServer, SimTrtllmServer
+from kv_listener.sim.trtllm_server import ServedTrtllm, SimTrtllmServer
 from tests.conftest import free_port
 from tests.engines.oracle import EngineTruth
 from tests.engines.view import StreamView, diff
@@ -245,7 +245,7 @@ class TrtllmTruthEngine(Truthful):
         self.health = Health()
         self.last_publish = 0.0
         self.exact = True
-        self._running: RunningServer | None = None
+        self._running: ServedTrtllm | None = None
 
     @property
     def url(self) -> str:
