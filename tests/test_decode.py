@@ -2,8 +2,9 @@
 
 Golden frames under fixtures/frames are decoded and compared to their expected JSON (written from
 the ground truth the generator encoded); the wire note's §7 vectors are its `vec-*` frames, which
-the generator writes from the note's hex text; payloads for drop reasons are built by hand with plain msgpack; the encoder is checked
-against msgspec structs declared as the note's §7.8 describes (what the engines use).
+the generator writes from the note's hex text; payloads for drop reasons are built by hand with
+plain msgpack; the encoder is checked against msgspec structs declared as the note's §7.8
+describes (what the engines use).
 """
 
 from __future__ import annotations
