@@ -230,6 +230,13 @@ class RedisKvIndex(KvIndex):
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
         self._notify(True)
 
+    def _redis_failed(self, exc: Exception, op: str) -> None:
+        """A failed call the caller waits on: counted; without the fallback the caller gets
+        `IndexUnavailableError` (with it, the caller goes on to the fallback)."""
+        self._failed(exc, op)
+        if self._fallback is None:
+            raise IndexUnavailableError(str(exc)) from exc
+
     def _outage_s(self) -> float | None:
         return None if self._down_since is None else round(self._clock() - self._down_since, 3)
 
@@ -298,9 +305,7 @@ class RedisKvIndex(KvIndex):
                 await self.redis.apply(event)
                 return
             except REDIS_ERRORS as exc:
-                self._failed(exc, "apply")
-                if self._fallback is None:
-                    raise IndexUnavailableError(str(exc)) from exc
+                self._redis_failed(exc, "apply")
         assert self._fallback is not None
         self._fallback.apply_now(event)
 
@@ -330,9 +335,7 @@ class RedisKvIndex(KvIndex):
             try:
                 s = await self.redis.stats()
             except REDIS_ERRORS as exc:
-                self._failed(exc, "stats")
-                if self._fallback is None:
-                    raise IndexUnavailableError(str(exc)) from exc
+                self._redis_failed(exc, "stats")
             else:
                 return replace(s, queries=self._n.queries, hits=self._n.hits)
         assert self._fallback is not None
@@ -349,9 +352,7 @@ class RedisKvIndex(KvIndex):
         try:
             redis = await self.redis.clear()
         except REDIS_ERRORS as exc:
-            self._failed(exc, "clear")
-            if self._fallback is None:
-                raise IndexUnavailableError(str(exc)) from exc
+            self._redis_failed(exc, "clear")
             return fb
         return ClearResult(
             entries_before_clear=redis.entries_before_clear + fb.entries_before_clear,

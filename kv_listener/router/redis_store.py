@@ -129,6 +129,18 @@ def redis_address(client: Redis) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+async def _batches(members: AsyncIterator[Any]) -> AsyncIterator[list[str]]:
+    """A SCAN-family iterator's members as strings, `_BATCH` at a time."""
+    batch: list[str] = []
+    async for member in members:
+        batch.append(_str(member))
+        if len(batch) >= _BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def _glob_escape(text: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
@@ -394,17 +406,10 @@ class RedisOnlyKvIndex(KvIndex):
             return "backend", rest[8:]
         return None
 
-    async def _scan(self, pattern_suffix: str = "*") -> AsyncIterator[list[str]]:
+    def _scan(self, pattern_suffix: str = "*") -> AsyncIterator[list[str]]:
         """Keys under the key prefix in batches, streamed (SCAN tolerates deletes meanwhile)."""
-        keys: list[str] = []
         match = _glob_escape(self.key_prefix) + pattern_suffix
-        async for key in self.client.scan_iter(match=match, count=1000):
-            keys.append(_str(key))
-            if len(keys) >= _BATCH:
-                yield keys
-                keys = []
-        if keys:
-            yield keys
+        return _batches(self.client.scan_iter(match=match, count=1000))
 
     async def stats(self) -> IndexStats:
         """Counts come from a SCAN of the key prefix: O(entries), meant for the admin API.
@@ -482,15 +487,8 @@ class RedisOnlyKvIndex(KvIndex):
         self.expired += pruned
         return pruned
 
-    async def _sscan_chunks(self, key: str) -> AsyncIterator[list[str]]:
-        chunk: list[str] = []
-        async for member in self.client.sscan_iter(key, count=_BATCH):
-            chunk.append(_str(member))
-            if len(chunk) >= _BATCH:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
+    def _sscan_chunks(self, key: str) -> AsyncIterator[list[str]]:
+        return _batches(self.client.sscan_iter(key, count=_BATCH))
 
     async def close(self) -> None:
         if self._lookup_task is not None:
