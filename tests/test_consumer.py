@@ -35,7 +35,6 @@ from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.consumer import (
     KvEventConsumerManager,
     NoSessionError,
-    PrefixRecord,
     index_applier,
 )
 from kv_listener.router.consumer_state import SourceStatus
@@ -181,17 +180,17 @@ class Applied:
     """The `apply_record` callback: collects records, lets tests await them."""
 
     def __init__(self) -> None:
-        self.records: list[PrefixRecord] = []
-        self.queue: asyncio.Queue[PrefixRecord] = asyncio.Queue()
+        self.records: list[Record] = []
+        self.queue: asyncio.Queue[Record] = asyncio.Queue()
 
-    async def __call__(self, record: PrefixRecord) -> None:
+    async def __call__(self, record: Record) -> None:
         self.records.append(record)
         self.queue.put_nowait(record)
 
-    async def next(self) -> PrefixRecord:
+    async def next(self) -> Record:
         return await asyncio.wait_for(self.queue.get(), TIMEOUT)
 
-    async def take(self, n: int) -> list[PrefixRecord]:
+    async def take(self, n: int) -> list[Record]:
         return [await self.next() for _ in range(n)]
 
 
@@ -223,7 +222,7 @@ def source(endpoint: str | None, *, interval_ms: int = 1000, backend: str = B,
                              reconnect_interval_ms=interval_ms)
 
 
-def manager(sources: list[EventSourceConfig], applied: Callable[[PrefixRecord], Awaitable[None]],
+def manager(sources: list[EventSourceConfig], applied: Callable[[Record], Awaitable[None]],
             sleep: FakeSleep, **kwargs: Any) -> KvEventConsumerManager:
     return KvEventConsumerManager(sources, applied, sleep=sleep, clock=lambda: 1000.0, **kwargs)
 
@@ -372,10 +371,10 @@ async def test_bad_records_are_counted_drops_and_the_stream_goes_on() -> None:
 
 
 async def test_apply_errors_are_counted_as_index_errors() -> None:
-    calls: list[PrefixRecord] = []
+    calls: list[Record] = []
     done = asyncio.Event()
 
-    async def failing(record: PrefixRecord) -> None:
+    async def failing(record: Record) -> None:
         calls.append(record)
         if len(calls) == 2:
             done.set()
@@ -709,7 +708,7 @@ async def test_sources_run_independently_and_reload_adds_removes_restarts() -> N
 
 
 def test_duplicate_sources_are_refused() -> None:
-    async def noop(record: PrefixRecord) -> None:
+    async def noop(record: Record) -> None:
         return None
 
     with pytest.raises(ValueError, match="duplicate"):
@@ -736,7 +735,7 @@ async def test_against_the_listener_sse_server_into_a_real_index() -> None:
     applied = Applied()
     into_index = index_applier(index)
 
-    async def apply(record: PrefixRecord) -> None:
+    async def apply(record: Record) -> None:
         await into_index(record)
         await applied(record)
 
@@ -820,10 +819,10 @@ async def test_golden_push_stream_parses_the_same_over_both_transports(split: in
     bus_records: list[dict[str, Any]] = []
     sse_records: list[dict[str, Any]] = []
 
-    async def to_bus_list(record: PrefixRecord) -> None:
+    async def to_bus_list(record: Record) -> None:
         bus_records.append(record.as_dict())
 
-    async def to_sse_list(record: PrefixRecord) -> None:
+    async def to_sse_list(record: Record) -> None:
         sse_records.append(record.as_dict())
 
     bus = source(None, transport=Transport.EVENT_BUS, backend=golden.BACKEND)
@@ -860,7 +859,7 @@ async def test_over_the_real_event_bus_from_a_real_listener_client(
     applied = Applied()
     into_index = index_applier(index)
 
-    async def apply(record: PrefixRecord) -> None:
+    async def apply(record: Record) -> None:
         await into_index(record)
         await applied(record)
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from kv_listener.core.model import BlockStored, Tier
+from kv_listener.core.records import Record
 from kv_listener.core.salt import issue_cache_salt
 from kv_listener.router.config import EventSourceConfig
-from kv_listener.router.consumer import KvEventConsumerManager, PrefixRecord, index_applier
+from kv_listener.router.consumer import KvEventConsumerManager, index_applier
 from kv_listener.router.index import Holder, InMemoryKvIndex
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
@@ -40,15 +41,15 @@ def salted_chain(system: str, tag: bytes, n_blocks: int = 2) -> tuple[BlockStore
 class Applied:
     def __init__(self, index: InMemoryKvIndex) -> None:
         self.into = index_applier(index)
-        self.records: list[PrefixRecord] = []
+        self.records: list[Record] = []
         self.changed = asyncio.Event()
 
-    async def __call__(self, record: PrefixRecord) -> None:
+    async def __call__(self, record: Record) -> None:
         await self.into(record)
         self.records.append(record)
         self.changed.set()
 
-    async def until(self, pred: object, timeout_s: float = 15) -> PrefixRecord:
+    async def until(self, pred: object, timeout_s: float = 15) -> Record:
         async with asyncio.timeout(timeout_s):
             while True:
                 for r in self.records:

@@ -1,7 +1,7 @@
 """Hostile bytes never crash the parsers that face a peer: property tests with Hypothesis (#11).
 
 Two parsers read what another process sends. (1) The router's consumer reads every listener
-stream with `core.sse.SseParser` and turns each event into a `PrefixRecord` with
+stream with `core.sse.SseParser` and turns each event into a `Record` with
 `router.consumer.decode_record`; its `_StreamReader` applies the records, enforces the 1 MiB
 caps (SPEC §8) and keeps the resume ID. (2) The event bus reads NDJSON control lines with
 `core.bus_protocol` (hello / welcome / subscribe / unsubscribe / forbidden, the 64 KiB cap of
@@ -62,9 +62,8 @@ from kv_listener.core.sse import (
 from kv_listener.router.bus_server import Broker, EventBusServer, TlsFiles
 from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.consumer import (
-    EndReason,
+    ConsumeEndReason,
     KvEventConsumerManager,
-    PrefixRecord,
     RecordDropped,
     _SourceRunner,
     _StreamReader,
@@ -256,13 +255,13 @@ stream_items = st.one_of(
 )
 
 
-def expected_prefix_record(r: Record) -> PrefixRecord:
+def expected_prefix_record(r: Record) -> Record:
     if r.event is RecordEvent.CACHE_CLEARED:
-        return PrefixRecord(r.event, r.backend, None, None, None, round(r.ts, 3), r.id)
+        return Record(r.id, r.event, r.backend, None, None, None, round(r.ts, 3))
     if r.event is RecordEvent.CACHE_EVICTED:
-        return PrefixRecord(r.event, r.backend, r.prefix_hash, None, None, round(r.ts, 3), r.id)
+        return Record(r.id, r.event, r.backend, r.prefix_hash, None, None, round(r.ts, 3))
     tier = r.tier or (Tier.GPU_HOT if r.event is RecordEvent.CACHE_CREATED else Tier.STORAGE_WARM)
-    return PrefixRecord(r.event, r.backend, r.prefix_hash, r.token_count, tier, round(r.ts, 3), r.id)
+    return Record(r.id, r.event, r.backend, r.prefix_hash, r.token_count, tier, round(r.ts, 3))
 
 
 @FUZZ
@@ -274,7 +273,7 @@ def test_encoded_listener_streams_parse_and_decode_back_exactly(
     style (the data is JSON: no raw line end inside), whatever the chunking."""
     wire: list[bytes] = []
     want_events: list[SseEvent] = []
-    want_records: list[tuple[str, PrefixRecord | ControlEvent]] = []
+    want_records: list[tuple[str, Record | ControlEvent]] = []
     last_id, n_comments = "", 0
     for item in items:
         if isinstance(item, Record):
@@ -376,7 +375,7 @@ record_bodies = st.one_of(
 )
 
 
-def check_record(backend: str, ev: SseEvent, got: PrefixRecord | ControlEvent) -> None:
+def check_record(backend: str, ev: SseEvent, got: Record | ControlEvent) -> None:
     """The invariants of everything `decode_record` returns."""
     if isinstance(got, ControlEvent):
         assert got.value in (ev.event, json.loads(ev.data).get("event"))
@@ -437,9 +436,9 @@ def run_to_end(coro: Coroutine[Any, Any, Any]) -> Any:
     raise AssertionError("the coroutine suspended")
 
 
-def stream_reader(applied: list[PrefixRecord], last_event_id: str | None, *, max_line: int,
+def stream_reader(applied: list[Record], last_event_id: str | None, *, max_line: int,
                   max_data: int) -> _StreamReader:
-    async def apply(record: PrefixRecord) -> None:
+    async def apply(record: Record) -> None:
         applied.append(record)
 
     cfg = EventSourceConfig(backend_name=B, transport=Transport.EVENT_BUS)
@@ -503,7 +502,7 @@ def test_stream_reader_resumes_from_the_last_record_it_handled(
     stream = b"".join(wire)
     handled = reference_sse(stream, max_line=256, max_data=400, last_event_id=resume or "")[0]
     for bytewise, chunks in chunkings(data, stream):
-        applied: list[PrefixRecord] = []
+        applied: list[Record] = []
         reader = stream_reader(applied, resume, max_line=256, max_data=400)
         end = None
         with capture_logs():
@@ -513,28 +512,28 @@ def test_stream_reader_resumes_from_the_last_record_it_handled(
                     break
         state = reader.state
         n = state.received  # prefix events handled (applied or dropped), in stream order
-        if end is not None and end.reason is EndReason.DRAINING:
+        if end is not None and end.reason is ConsumeEndReason.DRAINING:
             assert handled[n].event == "draining"
         else:
             assert n <= len(handled)
         valid = [r for ev in handled[:n]
-                 if isinstance(r := _decoded(ev), PrefixRecord)]
+                 if isinstance(r := _decoded(ev), Record)]
         assert applied == valid  # in order, none twice, none skipped
         assert state.applied == len(valid)
         want_id = handled[n - 1].last_event_id if n else (resume or "")
         assert state.last_event_id == (want_id or None)
         if end is None:
             assert oversized is None and not drain and n == len(handled)
-        elif end.reason is EndReason.OVERSIZED:
+        elif end.reason is ConsumeEndReason.OVERSIZED:
             assert oversized is not None and state.dropped[EventDropReason.OVERSIZED.value] == 1
             if bytewise:
                 assert n == len(handled)  # nothing before the cap was lost
         else:
-            assert end.reason is EndReason.DRAINING and drain
+            assert end.reason is ConsumeEndReason.DRAINING and drain
             assert state.last_event_id != "e-99"  # nothing after `draining` is read
 
 
-def _decoded(ev: SseEvent) -> PrefixRecord | ControlEvent | None:
+def _decoded(ev: SseEvent) -> Record | ControlEvent | None:
     try:
         return decode_record(B, ev)
     except RecordDropped:

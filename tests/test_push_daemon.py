@@ -34,6 +34,7 @@ import pytest
 
 from kv_listener.core.eventlog import RecordEvent
 from kv_listener.core.model import BlockRemoved, BlockStored, Tier
+from kv_listener.core.records import Record
 from kv_listener.core.salt import issue_cache_salt
 from kv_listener.core.sse import SseEvent
 from kv_listener.router.bus_server import (
@@ -46,7 +47,7 @@ from kv_listener.router.bus_server import (
     TlsFiles,
 )
 from kv_listener.router.config import EventSourceConfig, Transport
-from kv_listener.router.consumer import KvEventConsumerManager, PrefixRecord, decode_record
+from kv_listener.router.consumer import KvEventConsumerManager, decode_record
 from kv_listener.router.index import Holder, IndexEvent, InMemoryKvIndex, PrefixEventType
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
@@ -160,7 +161,7 @@ class Router:
         self.tls = tls
         self.failures: list[SecurityFailure] = []  # what the server counted, in order
         self.index = InMemoryKvIndex()
-        self.records: list[PrefixRecord] = []
+        self.records: list[Record] = []
         self.taps: list[Tap] = []
         self.hold = False
         self.server: EventBusServer | None = None
@@ -217,7 +218,7 @@ class Router:
         self.failures.append(failure)
         self.notify()
 
-    async def _apply(self, record: PrefixRecord) -> None:
+    async def _apply(self, record: Record) -> None:
         self.records.append(record)
         self.index.apply_now(IndexEvent(PrefixEventType(record.event.value), record.backend,
                                         record.prefix_hash, record.token_count or 0))
@@ -234,7 +235,7 @@ class Router:
             self.notify()
 
 
-def triples(records: list[PrefixRecord]) -> list[tuple[RecordEvent, str | None, str | None]]:
+def triples(records: list[Record]) -> list[tuple[RecordEvent, str | None, str | None]]:
     return [(r.event, r.prefix_hash, r.id) for r in records]
 
 
@@ -301,11 +302,11 @@ async def running_daemon(config: dict[str, Any], workdir: Path) -> AsyncIterator
         await daemon.stop()
 
 
-def sse_records(events: list[SseEvent]) -> list[PrefixRecord]:
+def sse_records(events: list[SseEvent]) -> list[Record]:
     out = []
     for ev in events:
         rec = decode_record(BACKEND, ev)
-        assert isinstance(rec, PrefixRecord), ev
+        assert isinstance(rec, Record), ev
         out.append(rec)
     return out
 

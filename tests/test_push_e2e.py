@@ -17,12 +17,13 @@ import pytest
 
 from kv_listener.core.eventlog import RecordEvent
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
+from kv_listener.core.records import Record
 from kv_listener.outputs.bus_client import BusClient
 from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.bus_server import EventBusServer
 from kv_listener.router.config import EventSourceConfig, Transport
-from kv_listener.router.consumer import KvEventConsumerManager, PrefixRecord
+from kv_listener.router.consumer import KvEventConsumerManager
 from tests.support.bus import TOKEN_A, listener_config, running_server, write_token
 from tests.support.tls import TlsMaterial
 
@@ -34,15 +35,15 @@ class Recorder:
     """`apply_record` for a consumer manager: keeps what was applied, awaitable."""
 
     def __init__(self) -> None:
-        self.records: list[PrefixRecord] = []
+        self.records: list[Record] = []
         self._changed = asyncio.Event()
 
-    async def __call__(self, record: PrefixRecord) -> None:
+    async def __call__(self, record: Record) -> None:
         self.records.append(record)
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait(self, predicate: Callable[[list[PrefixRecord]], bool]) -> None:
+    async def wait(self, predicate: Callable[[list[Record]], bool]) -> None:
         while not predicate(self.records):
             await self._changed.wait()
 

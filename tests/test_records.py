@@ -22,7 +22,6 @@ from kv_listener.core.records import (
     is_token_count,
     record_data,
 )
-from kv_listener.router.consumer import PrefixRecord
 from kv_listener.router.consumer_state import reconnect_backoff
 from kv_listener.router.index import IndexEvent
 
@@ -77,10 +76,7 @@ def test_validators() -> None:
     assert is_token_count(0) and not is_token_count(True) and not is_token_count(1 << 53)
 
 
-def test_router_spellings_are_the_one_record() -> None:
-    r = PrefixRecord(RecordEvent.CACHE_CREATED, "b", H, 5, Tier.GPU_HOT, 1.0, "e-1")
-    assert type(r) is Record and isinstance(r, PrefixRecord)
-    assert r == Record("e-1", RecordEvent.CACHE_CREATED, "b", H, 5, Tier.GPU_HOT, 1.0)
+def test_the_index_api_builds_the_one_record() -> None:
     assert IndexEvent(RecordEvent.CACHE_OFFLOADED, "b", H, 5) == Record(
         None, RecordEvent.CACHE_OFFLOADED, "b", H, 5, Tier.STORAGE_WARM, None)
     assert IndexEvent(RecordEvent.CACHE_EVICTED, "b", H, 0).token_count is None

@@ -25,11 +25,12 @@ from typing import Any
 import pytest
 import structlog
 
+from kv_listener.core.records import Record
 from kv_listener.logging import configure_logging
 from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.router.config import EventSourceConfig, KvCacheIndexConfig, RedisConfig
-from kv_listener.router.consumer import KvEventConsumerManager, PrefixRecord
+from kv_listener.router.consumer import KvEventConsumerManager
 from kv_listener.router.index import IndexEvent, PrefixEventType
 from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S
 from kv_listener.router.redis_index import IndexUnavailableError, RedisKvIndex
@@ -127,7 +128,7 @@ class Connected:
                 pass
 
 
-async def ignore(_: PrefixRecord) -> None:
+async def ignore(_: Record) -> None:
     pass
 
 

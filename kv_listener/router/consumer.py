@@ -48,7 +48,6 @@ import aiohttp
 import structlog
 
 from kv_listener.core.bus_protocol import NoSessionError
-from kv_listener.core.model import Tier
 from kv_listener.core.records import Record, RecordEvent
 from kv_listener.router.config import EventSourceConfig
 from kv_listener.router.consumer_state import (
@@ -69,8 +68,8 @@ from kv_listener.router.source_runner import (
 
 # Names this module has always offered (tests and embedding routers import them from here).
 __all__ = [
-    "ApplyRecord", "ConsumeEndReason", "ConsumerMetrics", "EndReason", "KvEventConsumerManager",
-    "NoSessionError", "OpenAnnouncedStream", "PrefixRecord", "RecordDropped", "ReloadResult",
+    "ApplyRecord", "ConsumeEndReason", "ConsumerMetrics", "KvEventConsumerManager",
+    "NoSessionError", "OpenAnnouncedStream", "RecordDropped", "ReloadResult",
     "SourceState", "SourceStatus", "_SourceRunner", "_StreamReader", "decode_record",
     "index_applier",
 ]
@@ -80,27 +79,6 @@ log = structlog.get_logger(__name__)
 #: The listener sends `: ping` every 15 s; three missed pings mean a dead peer.
 DEFAULT_READ_TIMEOUT_S = 45.0
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
-
-#: The former name of `ConsumeEndReason` (outputs/streams.py has an `EndReason` of its own).
-EndReason = ConsumeEndReason
-
-
-class _RecordSpelling(type):
-    """`PrefixRecord(...)` builds a `Record`; `isinstance(x, PrefixRecord)` asks for a `Record`."""
-
-    def __call__(cls, event: RecordEvent, backend: str, prefix_hash: str | None,
-                 token_count: int | None, tier: Tier | None, ts: float | None,
-                 id: str | None) -> Record:
-        return Record(id, event, backend, prefix_hash, token_count, tier, ts)
-
-    def __instancecheck__(cls, instance: object) -> bool:
-        return isinstance(instance, Record)
-
-
-class PrefixRecord(metaclass=_RecordSpelling):
-    """The router's former record type, now `core.records.Record` (one type from the listener's
-    event log to the index): this name keeps its argument order (`event` first, `id` last)."""
-
 
 ApplyRecord = Callable[[Record], Awaitable[None]]
 OpenAnnouncedStream = Callable[[str, str | None], Any]
