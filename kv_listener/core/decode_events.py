@@ -312,26 +312,16 @@ def _sglang_stored_map(e: dict[Any, Any]) -> BlockStored:
 
 _Handler = Callable[[Any], KvEvent]
 
-_VLLM_ARRAY: dict[str, _Handler] = {
-    "BlockStored": _vllm_stored_array,
-    "BlockRemoved": _removed_array,
-    "AllBlocksCleared": _cleared,
-}
-_VLLM_MAP: dict[str, _Handler] = {
-    "BlockStored": _vllm_stored_map,
-    "BlockRemoved": _removed_map,
-    "AllBlocksCleared": _cleared,
-}
-_SGLANG_ARRAY: dict[str, _Handler] = {
-    "BlockStored": _sglang_stored_array,
-    "BlockRemoved": _removed_array,
-    "AllBlocksCleared": _cleared,
-}
-_SGLANG_MAP: dict[str, _Handler] = {
-    "BlockStored": _sglang_stored_map,
-    "BlockRemoved": _removed_map,
-    "AllBlocksCleared": _cleared,
-}
+
+def _table(stored: _Handler, removed: _Handler) -> dict[str, _Handler]:
+    """One layout's handlers by event tag."""
+    return {"BlockStored": stored, "BlockRemoved": removed, "AllBlocksCleared": _cleared}
+
+
+_VLLM_ARRAY = _table(_vllm_stored_array, _removed_array)
+_VLLM_MAP = _table(_vllm_stored_map, _removed_map)
+_SGLANG_ARRAY = _table(_sglang_stored_array, _removed_array)
+_SGLANG_MAP = _table(_sglang_stored_map, _removed_map)
 # TRT-LLM's streaming ZMQ publisher (PR #17023) and Dynamo's TRT-LLM republisher both emit
 # vLLM-shaped map events (§4.3, §5), so engine=trtllm on ZMQ uses the vLLM tables.
 HANDLERS: dict[Engine, tuple[dict[str, _Handler], dict[str, _Handler]]] = {
