@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from quiet import quiet_libraries
 
-from kv_listener.router.config import KvCacheIndexConfig, RedisConfig, StorageOffloadingConfig
+from kv_listener.router.config import KvCacheIndexConfig, StorageOffloadingConfig
+from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import IndexEvent, InMemoryKvIndex, KvIndex, PrefixEventType
 from kv_listener.router.redis_index import RedisKvIndex
 from kv_listener.router.scorer import KvOverlapScorer

@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from kv_listener.core.model import Tier
-from kv_listener.router.config import KvCacheIndexConfig, RedisConfig, StorageOffloadingConfig
+from kv_listener.router.config import KvCacheIndexConfig, StorageOffloadingConfig
+from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import Holder, IndexEvent, PrefixEventType
 from kv_listener.router.metrics import RouterMetrics
 from kv_listener.router.redis_index import LOOKUP_BATCH, RedisKvIndex

@@ -374,6 +374,56 @@ def test_redis_backend_needs_redis_settings() -> None:
         "kv_cache_index.backend: is redis but response_cache.redis is not configured")
 
 
+def test_redis_cluster_switch() -> None:
+    r = parse_router_config(redis_raw(url="rediss://node-3:7002", cluster=True)).redis
+    assert r is not None and (r.cluster, r.use_tls) == (True, True)
+    assert parse_router_config(redis_raw()).redis.cluster is False  # type: ignore[union-attr]
+    assert one_error(redis_raw(url="redis://node-1:7000/2", cluster=True)) == (
+        "response_cache.redis.url: names a database, which Redis Cluster does not have "
+        "(cluster: true)")
+    assert one_error(redis_raw(cluster="yes")).startswith(
+        "response_cache.redis.cluster: expected a boolean")
+
+
+def lease_raw(**lease: Any) -> dict[str, Any]:
+    raw = redis_raw()
+    raw["kv_cache_index"]["writer_lease"] = lease
+    return raw
+
+
+def test_writer_lease_defaults_and_settings() -> None:
+    off = parse_router_config(redis_raw()).kv_cache_index.writer_lease
+    assert (off.enabled, off.ttl_ms, off.renew_interval_ms, off.holder_id) == (
+        False, 10000, 3000, None)
+    on = parse_router_config(lease_raw(enabled=True, ttl_ms=2000, holder_id="router-a")
+                             ).kv_cache_index.writer_lease
+    # The renewal defaults to a third of a shorter lease.
+    assert (on.enabled, on.ttl_s, on.renew_interval_ms, on.holder_id) == (
+        True, 2.0, 666, "router-a")
+
+
+@pytest.mark.parametrize(
+    ("lease", "message"),
+    [
+        ({"ttl_ms": 100}, "kv_cache_index.writer_lease.ttl_ms: must be between 500 and 600000"),
+        ({"ttl_ms": 4000, "renew_interval_ms": 2500},
+         "kv_cache_index.writer_lease.renew_interval_ms: 2500 is more than half of ttl_ms 4000"),
+        ({"holder_id": "two words"},
+         "kv_cache_index.writer_lease.holder_id: must be 1-200 characters without spaces"),
+        ({"lease_ms": 10}, "kv_cache_index.writer_lease.lease_ms: unknown key"),
+    ],
+)
+def test_writer_lease_errors(lease: dict[str, Any], message: str) -> None:
+    errors = errors_of(lease_raw(**lease))
+    assert any(e.startswith(message) for e in errors), errors
+
+
+def test_writer_lease_needs_the_redis_index() -> None:
+    assert one_error(base(writer_lease={"enabled": True})) == (
+        "kv_cache_index.writer_lease.enabled: needs kv_cache_index.backend: redis (the lease "
+        "lives in the Redis the routers share)")
+
+
 def test_admin_and_log() -> None:
     cfg = parse_router_config({**base(), "admin": {"listen": "[::1]:9000"},
                                "log": {"level": "debug", "format": "console"}})
@@ -465,7 +515,7 @@ def test_example_file_mentions_every_option() -> None:
         "client_ca", "brokers", "id", "role", "token_hash", "backends", "response_cache", "redis",
         "url", "ca_file", "username", "password_file", "password_env", "pool_size",
         "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory", "admin", "log", "level",
-        "format",
+        "format", "cluster", "writer_lease", "ttl_ms", "renew_interval_ms", "holder_id",
     }
     present = set(re.findall(r"^\s*(?:-\s+|#\s*-?\s*)?([a-z_]+):", text, re.MULTILINE))
     assert keys - present == set()

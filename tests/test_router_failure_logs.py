@@ -29,7 +29,8 @@ from kv_listener.core.records import Record
 from kv_listener.logging import configure_logging
 from kv_listener.outputs.sse_server import NoSources, create_app, serve
 from kv_listener.outputs.streams import StreamHub
-from kv_listener.router.config import EventSourceConfig, KvCacheIndexConfig, RedisConfig
+from kv_listener.router.config import EventSourceConfig, KvCacheIndexConfig
+from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.consumer import KvEventConsumerManager
 from kv_listener.router.index import IndexEvent, PrefixEventType
 from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S

@@ -35,6 +35,12 @@ from kv_listener.configkit import (
     type_name,
 )
 from kv_listener.core import bus_protocol
+from kv_listener.router.config_redis import (
+    RedisConfig,
+    WriterLeaseConfig,
+    parse_redis,
+    parse_writer_lease,
+)
 
 #: The seed's pool threshold (DEFAULT_SCORER_THRESHOLD): a KV-aware pick needs a composite > this.
 POOL_THRESHOLD = 0.3
@@ -115,29 +121,10 @@ class KvCacheIndexConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     storage_offloading: StorageOffloadingConfig = field(default_factory=StorageOffloadingConfig)
     event_sources: tuple[EventSourceConfig, ...] = ()
+    writer_lease: WriterLeaseConfig = field(default_factory=WriterLeaseConfig)
 
     def source(self, backend_name: str) -> EventSourceConfig | None:
         return next((s for s in self.event_sources if s.backend_name == backend_name), None)
-
-
-@dataclass(frozen=True, slots=True)
-class RedisConfig:
-    """`response_cache.redis`: the connection the Redis KV index uses."""
-
-    url: str = "redis://127.0.0.1:6379"
-    tls: bool = False  # with a redis:// URL: connect with TLS anyway (rediss:// implies it)
-    ca_file: str | None = None  # CA bundle for TLS; None = the system roots
-    username: str | None = None
-    password_file: str | None = None  # or password_env; never inline
-    password_env: str | None = None
-    pool_size: int = 8
-    connect_timeout_ms: int = 3000
-    command_timeout_ms: int = 1000
-    fallback_to_memory: bool = True
-
-    @property
-    def use_tls(self) -> bool:
-        return self.tls or self.url.startswith("rediss://")
 
 
 def token_digest(token: str | bytes) -> str:
@@ -296,7 +283,7 @@ def _event_source(r: Reader, raw: Any, path: str) -> EventSourceConfig | None:
 def _kv_cache_index(r: Reader, raw: Any) -> KvCacheIndexConfig:
     p = "kv_cache_index"
     allowed = {"enabled", "backend", "key_prefix", "max_entries", "entry_ttl_seconds", "scoring",
-               "storage_offloading", "event_sources"}
+               "storage_offloading", "event_sources", "writer_lease"}
     data = r.mapping(raw, p, allowed)
     enabled = r.typed(data, "enabled", p, bool, True)
     backend = IndexBackend(r.choice(data, "backend", p, "memory", tuple(b.value for b in IndexBackend)))
@@ -354,6 +341,7 @@ def _kv_cache_index(r: Reader, raw: Any) -> KvCacheIndexConfig:
         enabled=enabled, backend=backend, key_prefix=key_prefix, max_entries=max_entries,
         entry_ttl_seconds=ttl, scoring=scoring, storage_offloading=offloading,
         event_sources=tuple(sources),
+        writer_lease=parse_writer_lease(r, data.get("writer_lease")),
     )
 
 
@@ -432,31 +420,6 @@ def _event_bus(r: Reader, raw: Any) -> EventBusServerConfig:
         r.warn(f"{p}.brokers", "is empty: no listener can open a session")
     return EventBusServerConfig(enabled=enabled, listen_host=host, listen_port=port, tls=tls,
                                 brokers=tuple(brokers))
-
-
-def _redis(r: Reader, raw: Any) -> RedisConfig:
-    p = "response_cache.redis"
-    d = RedisConfig()
-    allowed = {"url", "tls", "ca_file", "username", "password_file", "password_env", "pool_size",
-               "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory"}
-    data = r.mapping(raw, p, allowed)
-    url = r.typed(data, "url", p, str, d.url)
-    check_url(r, f"{p}.url", url, ("redis", "rediss"))
-    ca_file = r.typed(data, "ca_file", p, str, None, nullable=True)
-    r.existing_file(f"{p}.ca_file", ca_file)
-    password_file = r.typed(data, "password_file", p, str, None, nullable=True)
-    password_env = r.typed(data, "password_env", p, str, None, nullable=True)
-    r.existing_file(f"{p}.password_file", password_file)
-    r.not_both(p, ("password_file", password_file), ("password_env", password_env))
-    return RedisConfig(
-        url=url, tls=r.typed(data, "tls", p, bool, False), ca_file=ca_file,
-        username=r.typed(data, "username", p, str, None, nullable=True),
-        password_file=password_file, password_env=password_env,
-        pool_size=r.int_range(data, "pool_size", p, d.pool_size, 1, 1024),
-        connect_timeout_ms=r.int_range(data, "connect_timeout_ms", p, d.connect_timeout_ms, 1, 600_000),
-        command_timeout_ms=r.int_range(data, "command_timeout_ms", p, d.command_timeout_ms, 1, 600_000),
-        fallback_to_memory=r.typed(data, "fallback_to_memory", p, bool, True),
-    )
 
 
 #: Keys an operator may write for a plaintext token under `admin.auth`; refused with a hint.
@@ -555,7 +518,7 @@ def parse_router_config(raw: Any) -> RouterConfig:
     bus = _event_bus(r, dynamo.get("event_bus"))
 
     rc = r.mapping(data.get("response_cache"), "response_cache", {"redis"})
-    redis = _redis(r, rc["redis"]) if rc.get("redis") is not None else None
+    redis = parse_redis(r, rc["redis"]) if rc.get("redis") is not None else None
 
     admin = _admin(r, data.get("admin"))
 
@@ -571,6 +534,9 @@ def parse_router_config(raw: Any) -> RouterConfig:
                         "a listener's bus credential must not open the admin API")
     if kv.backend is IndexBackend.REDIS and redis is None:
         r.error("kv_cache_index.backend", "is redis but response_cache.redis is not configured")
+    if kv.writer_lease.enabled and kv.backend is not IndexBackend.REDIS:
+        r.error("kv_cache_index.writer_lease.enabled", "needs kv_cache_index.backend: redis (the "
+                "lease lives in the Redis the routers share)")
     announced = {name for b in bus.brokers if b.role is BrokerRole.KV_LISTENER for name in b.backends}
     bus_sources = 0
     for i, src in enumerate(kv.event_sources):

@@ -46,10 +46,10 @@ from kv_listener.router.config import (
     DEFAULT_KEY_PREFIX,
     IndexBackend,
     KvCacheIndexConfig,
-    RedisConfig,
     RouterConfig,
     StorageOffloadingConfig,
 )
+from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import ClearResult, Holder, IndexStats, InMemoryKvIndex, KvIndex, _Counters
 from kv_listener.router.metrics import RouterMetrics
 from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S, LogThrottle, error_fields
