@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trustme
@@ -35,6 +37,7 @@ from kv_listener.router.index import (
 from kv_listener.router.metrics import RouterMetrics
 from kv_listener.router.redis_index import IndexUnavailableError, RedisKvIndex, build_index
 from tests.support import ManualClock
+from tests.support.redis_cluster import LocalRedisCluster, redis_cluster_fixture
 from tests.support.redis_server import RedisServer, TlsFiles
 
 CREATED = PrefixEventType.CACHE_CREATED
@@ -77,10 +80,67 @@ class Harness:
     expire: Callable[[KvIndex, str], Awaitable[None]]
 
 
-@pytest.fixture(params=["memory", "redis"])
+redis_cluster = redis_cluster_fixture()
+
+
+def cluster_index(cluster: LocalRedisCluster, *, offloading: StorageOffloadingConfig = OFF,
+                  ttl: int = 600, **redis: Any) -> RedisKvIndex:
+    return RedisKvIndex.from_config(
+        RedisConfig(url=cluster.url, cluster=True, connect_timeout_ms=2000,
+                    command_timeout_ms=2000, **redis),
+        KvCacheIndexConfig(entry_ttl_seconds=ttl, storage_offloading=offloading))
+
+
+@asynccontextmanager
+async def expiry_watch(clients: dict[int, Redis]) -> AsyncIterator[Callable[[KvIndex, str], Awaitable[None]]]:
+    """`expire(idx, prefix_hash)`: await Redis' own expiry of the prefix's keys (keyspace
+    notifications from the server, or the cluster master, that holds them), no sleeping.
+    `clients` maps a port to the watcher of that server (one, or each cluster master)."""
+    subs = {port: c.pubsub() for port, c in clients.items()}
+    for sub in subs.values():
+        await sub.subscribe("__keyevent@0__:expired")
+
+    async def expire(idx: KvIndex, prefix_hash: str) -> None:
+        assert isinstance(idx, RedisKvIndex)
+        pending: dict[int, set[str]] = {}
+        for key in (idx.hot_key(prefix_hash), idx.warm_key(prefix_hash)):
+            port = (next(iter(clients)) if len(clients) == 1
+                    else idx.redis.client.get_node_from_key(key).port)
+            if await clients[port].exists(key):
+                pending.setdefault(port, set()).add(key)
+        async with asyncio.timeout(10):
+            for port, keys in pending.items():
+                while keys:
+                    msg = await subs[port].get_message(ignore_subscribe_messages=True, timeout=5)
+                    if msg is not None:
+                        keys.discard(msg["data"])
+
+    try:
+        yield expire
+    finally:
+        for sub in subs.values():
+            await sub.aclose()
+        for c in clients.values():
+            await c.aclose()
+
+
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Harness]:
     made: list[KvIndex] = []
-    if request.param == "memory":
+    if request.param == "redis-cluster":
+        cluster: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+        cluster.flushall()
+
+        def make_cluster(offloading: StorageOffloadingConfig = OFF, ttl: int = 600) -> KvIndex:
+            idx = cluster_index(cluster, offloading=offloading, ttl=ttl)
+            made.append(idx)
+            return idx
+
+        watchers = {m.node.port: Redis(host="127.0.0.1", port=m.node.port, decode_responses=True)
+                    for m in cluster.masters()}
+        async with expiry_watch(watchers) as expire:
+            yield Harness("redis", make_cluster, expire)
+    elif request.param == "memory":
         clock = ManualClock()
 
         def make_memory(offloading: StorageOffloadingConfig = OFF, ttl: int = 600) -> KvIndex:
@@ -97,31 +157,17 @@ async def harness(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
     else:
         server = RedisServer(tmp_path)
         server.start()
-        watcher = Redis.from_url(server.url, decode_responses=True)
-        pubsub = watcher.pubsub()
-        await pubsub.subscribe("__keyevent@0__:expired")
 
         def make_redis(offloading: StorageOffloadingConfig = OFF, ttl: int = 600) -> KvIndex:
             idx = redis_index(server, offloading=offloading, ttl=ttl)
             made.append(idx)
             return idx
 
-        async def expire_redis(idx: KvIndex, prefix_hash: str) -> None:
-            # Await Redis' own expiry of the prefix keys (keyspace notification), no sleeping.
-            assert isinstance(idx, RedisKvIndex)
-            wanted = {idx.hot_key(prefix_hash), idx.warm_key(prefix_hash)}
-            present = {k for k in wanted if await watcher.exists(k)}
-            async with asyncio.timeout(10):
-                while present:
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
-                    if msg is not None:
-                        present.discard(msg["data"])
-
         try:
-            yield Harness("redis", make_redis, expire_redis)
+            watcher = Redis.from_url(server.url, decode_responses=True)
+            async with expiry_watch({server.port: watcher}) as expire:
+                yield Harness("redis", make_redis, expire)
         finally:
-            await pubsub.aclose()
-            await watcher.aclose()
             for idx in made:
                 await idx.close()
             made.clear()

@@ -376,7 +376,9 @@ def test_redis_backend_needs_redis_settings() -> None:
 
 def test_redis_cluster_switch() -> None:
     r = parse_router_config(redis_raw(url="rediss://node-3:7002", cluster=True)).redis
-    assert r is not None and (r.cluster, r.use_tls) == (True, True)
+    assert r is not None and (r.cluster, r.use_tls, r.failover_wait_ms) == (True, True, 15000)
+    assert parse_router_config(redis_raw(url="redis://node-1:7000/0", cluster=True,
+                                         failover_wait_ms=0)).redis.failover_wait_ms == 0  # type: ignore[union-attr]
     assert parse_router_config(redis_raw()).redis.cluster is False  # type: ignore[union-attr]
     assert one_error(redis_raw(url="redis://node-1:7000/2", cluster=True)) == (
         "response_cache.redis.url: names a database, which Redis Cluster does not have "
@@ -515,7 +517,7 @@ def test_example_file_mentions_every_option() -> None:
         "client_ca", "brokers", "id", "role", "token_hash", "backends", "response_cache", "redis",
         "url", "ca_file", "username", "password_file", "password_env", "pool_size",
         "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory", "admin", "log", "level",
-        "format", "cluster", "writer_lease", "ttl_ms", "renew_interval_ms", "holder_id",
+        "format", "cluster", "failover_wait_ms", "writer_lease", "ttl_ms", "renew_interval_ms", "holder_id",
     }
     present = set(re.findall(r"^\s*(?:-\s+|#\s*-?\s*)?([a-z_]+):", text, re.MULTILINE))
     assert keys - present == set()

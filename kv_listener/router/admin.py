@@ -3,7 +3,9 @@
 Owns: the routes and their JSON; serving the app (uvicorn on `admin.listen`) is the caller's job.
 
 - `GET  /admin/kv-index/stats`     config, index counts, event sources, routing decisions.
-- `GET  /admin/kv-index/backends`  per backend: connection, event counters, index entries.
+- `GET  /admin/kv-index/backends`  per backend: connection, event counters, index entries; with
+  `kv_cache_index.writer_lease` enabled also `lease` (`writer` | `standby`: whether this router
+  consumes the backend's stream and writes it) and `lease_holder` (the holder id last seen).
 - `POST /admin/kv-index/clear`     empties the index: `{"success", "entries_before_clear",
   "cleared_entries"}`. With the Redis index this deletes EVERY key under the configured key
   prefix (`kv_cache_index.key_prefix`, default `cr:kvidx:`), which all routers sharing that Redis
@@ -226,6 +228,9 @@ def create_admin_app(
                 "index": {"entries": counts.total, "gpu_hot": counts.gpu_hot,
                           "storage_warm": counts.storage_warm},
             })
+            if kv.writer_lease.enabled:
+                out[-1]["lease"] = st.lease
+                out[-1]["lease_holder"] = st.lease_holder
         return JSONResponse({"enabled": kv.enabled, "backends": out})
 
     async def clear(_: Request) -> Response:

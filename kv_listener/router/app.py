@@ -4,7 +4,12 @@ Owns the router process's lifecycle, built from the router modules (SPEC §8 "St
 the KV index `kv_cache_index.backend` asks for (memory, or Redis with its in-memory fallback),
 the overlap scorer, one consumer per `kv_cache_index.event_sources[]` entry, the event-bus server
 when `dynamo.event_bus.enabled` (its announced streams feed the `transport: event_bus` sources),
-the admin JSON and `/metrics` on `admin.listen`, and a periodic index cleanup.
+the admin JSON and `/metrics` on `admin.listen`, and a periodic index cleanup. With
+`kv_cache_index.writer_lease.enabled` (Redis index only) the consumers take turns through a
+lease in that Redis (`router.lease`): several routers share one index and exactly one of them
+consumes and writes each backend's stream; while the index is in its in-memory fallback every
+router consumes every source (a standby's fallback would otherwise stay empty), and on recovery
+the lease rule returns before the recovery resync.
 
 Signals, as the listener's: SIGTERM/SIGINT stop cleanly and the process exits 0 (consumers stop,
 so nothing writes the index any more; event-bus sessions end; the HTTP servers stop; the index
@@ -43,6 +48,7 @@ from kv_listener.router.bus_server import EventBusServer
 from kv_listener.router.config import RouterConfig, load_router_config
 from kv_listener.router.consumer import KvEventConsumerManager, index_applier
 from kv_listener.router.index import KvIndex, run_cleanup
+from kv_listener.router.lease import WriterLease
 from kv_listener.router.metrics import RouterMetrics
 from kv_listener.router.redis_index import RedisKvIndex, build_index
 from kv_listener.router.scorer import KvOverlapScorer
@@ -108,7 +114,8 @@ class Router:
         self.admin_server: RunningServer | None = None
         self._admin_app: _SwappableApp | None = None
         self._cleanup: asyncio.Task[None] | None = None
-        self._resync: asyncio.Task[list[str]] | None = None
+        self._resync: asyncio.Task[None] | None = None
+        self.lease: WriterLease | None = None
         self._index_closed = False
         self._stop = asyncio.Event()
         self._reloader = SerialReloader(self.reload, self._stop.is_set, log)
@@ -148,9 +155,13 @@ class Router:
                                f"{_reason(exc)}")
                     raise bind_error(message, exc) from None
                 open_stream = self.bus.open_announced_stream
+            if kv.writer_lease.enabled and isinstance(self.index, RedisKvIndex):
+                # The index's own client: the same Redis (or cluster), TLS and credentials.
+                self.lease = WriterLease.from_config(self.index.redis.client, kv.key_prefix,
+                                                     kv.writer_lease)
             self.consumers = KvEventConsumerManager(
                 kv.event_sources, index_applier(self.index), open_announced_stream=open_stream,
-                metrics=self.metrics)
+                metrics=self.metrics, lease=self.lease, announcer=self.bus)
             self._admin_app = _SwappableApp(self._new_admin_app())
             try:
                 self.admin_server = await serve(self._admin_app, cfg.admin.listen_host,
@@ -171,17 +182,26 @@ class Router:
         log.info("router_started", admin=f"{cfg.admin.listen_host}:{self.admin_server.port}",
                  index=kv.backend.value, event_sources=len(kv.event_sources),
                  consumers_enabled=kv.enabled,
-                 event_bus=self.bus.port if self.bus is not None else None)
+                 event_bus=self.bus.port if self.bus is not None else None,
+                 writer_lease=self.lease.holder_id if self.lease is not None else None)
 
     def _index_state_changed(self, fallback_active: bool) -> None:
         """Redis is back: what it holds may not be what the streams said meanwhile (restarted
-        empty, or removals the fallback could not carry over), so every stream resyncs."""
-        if fallback_active or self.consumers is None:
+        empty, or removals the fallback could not carry over), so every stream resyncs. With
+        the writer lease, the fallback also makes every source run here (`consume_all`), and
+        the recovery first stops those this router does not hold."""
+        if self.consumers is None or (fallback_active and self.lease is None):
             return
         if self._resync is not None and not self._resync.done():
             self._resync.cancel()
         self._resync = asyncio.get_running_loop().create_task(
-            self.consumers.resync_all("index_recovered"), name="kv-consumers-resync")
+            self._index_changed(self.consumers, fallback_active), name="kv-consumers-resync")
+
+    @staticmethod
+    async def _index_changed(consumers: KvEventConsumerManager, fallback_active: bool) -> None:
+        await consumers.consume_all(fallback_active)
+        if not fallback_active:
+            await consumers.resync_all("index_recovered")
 
     def _new_admin_app(self) -> Any:
         assert self.index is not None and self.scorer is not None and self.consumers is not None

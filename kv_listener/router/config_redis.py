@@ -6,7 +6,9 @@ the rest of the router file (`router.config` re-exports both types).
 - `response_cache.redis.cluster: true`: the URL names any startup node of a Redis Cluster
   (redis-py's cluster client discovers the others); the index's keys of one prefix then carry a
   hash tag (`cr:kvidx:{<prefix_hash>}`, `cr:kvidx:warm:{<prefix_hash>}`) so that each write stays
-  one transaction on one slot.
+  one transaction on one slot; `failover_wait_ms` (default 15 s, Redis' default
+  `cluster-node-timeout`) is how long writes retry through a slot move or a master's failover
+  before the in-memory fallback takes over (0: at the first error, as with one server).
 - `kv_cache_index.writer_lease`: while enabled (only with `backend: redis`), a router consumes a
   backend's stream and writes its entries only while it holds that backend's lease in Redis
   (`SET <key_prefix>lease:<backend> <holder_id> NX PX ttl_ms`, renewed every
@@ -21,6 +23,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from kv_listener.configkit import Reader, check_url
 
@@ -44,6 +47,7 @@ class RedisConfig:
     command_timeout_ms: int = 1000
     fallback_to_memory: bool = True
     cluster: bool = False  # the URL names any startup node of a Redis Cluster
+    failover_wait_ms: int = 15000  # cluster: how long writes retry through a failover
 
     @property
     def use_tls(self) -> bool:
@@ -76,7 +80,8 @@ def parse_redis(r: Reader, raw: Any) -> RedisConfig:
     p = "response_cache.redis"
     d = RedisConfig()
     allowed = {"url", "tls", "ca_file", "username", "password_file", "password_env", "pool_size",
-               "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory", "cluster"}
+               "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory", "cluster",
+               "failover_wait_ms"}
     data = r.mapping(raw, p, allowed)
     url = r.typed(data, "url", p, str, d.url)
     check_url(r, f"{p}.url", url, ("redis", "rediss"))
@@ -87,7 +92,7 @@ def parse_redis(r: Reader, raw: Any) -> RedisConfig:
     r.existing_file(f"{p}.password_file", password_file)
     r.not_both(p, ("password_file", password_file), ("password_env", password_env))
     cluster = r.typed(data, "cluster", p, bool, False)
-    if cluster and "/" in url.split("://", 1)[-1].rstrip("/"):
+    if cluster and urlsplit(url).path not in ("", "/", "/0"):
         # redis://host:port/3: a cluster has database 0 only.
         r.error(f"{p}.url", "names a database, which Redis Cluster does not have (cluster: true)")
     return RedisConfig(
@@ -99,6 +104,7 @@ def parse_redis(r: Reader, raw: Any) -> RedisConfig:
         command_timeout_ms=r.int_range(data, "command_timeout_ms", p, d.command_timeout_ms, 1, 600_000),
         fallback_to_memory=r.typed(data, "fallback_to_memory", p, bool, True),
         cluster=cluster,
+        failover_wait_ms=r.int_range(data, "failover_wait_ms", p, d.failover_wait_ms, 0, 600_000),
     )
 
 

@@ -33,6 +33,17 @@ Rules (SPEC §6-§8, seed "SSE 파싱 세부사항" and "스트림 동작 및 �
   changed one are logged at once, an unchanged one at most every `log_repeat_interval_s` (300 s)
   with `suppressed` (the repeats logged at debug level meanwhile). `kv_consumer_connected`
   (info) ends an outage with `outage_s` and `failed_attempts`.
+
+Writer lease (`kv_cache_index.writer_lease`, issue 16; `router.lease`): given a `WriterLease`,
+a source's runner runs only while this router holds that backend's lease (one `LeaseKeeper` per
+source). Becoming the writer starts the runner without a Last-Event-ID, so the listener sends a
+full resync and the shared index becomes right whatever the previous writer left; losing the
+lease stops the runner at once; `stop()` and `remove_source()` stop the runner, then give the
+lease back. An `event_bus` source contends only while a live session of this router announces
+the backend (`announcer`, the event-bus server), so the writer is a router that can open the
+stream. `consume_all(True)` (the Redis index fell back to memory, which starts empty: a
+standby's would stay so) runs every source regardless of the lease, each from a resync;
+`consume_all(False)` returns to the lease rule. Without a lease nothing of this applies.
 """
 
 from __future__ import annotations
@@ -49,13 +60,14 @@ import structlog
 
 from kv_listener.core.bus_protocol import NoSessionError
 from kv_listener.core.records import Record, RecordEvent
-from kv_listener.router.config import EventSourceConfig
+from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.consumer_state import (
     ConsumeEndReason,
     SourceState,
     SourceStatus,
 )
 from kv_listener.router.index import KvIndex
+from kv_listener.router.lease import LeaseKeeper, LeaseState, WriterLease
 from kv_listener.router.metrics import EventDropReason
 from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S
 from kv_listener.router.source_runner import (
@@ -94,6 +106,16 @@ class ConsumerMetrics(Protocol):
 
     def set_connected(self, backend: str, connected: bool) -> None: ...
 
+    def set_lease_held(self, backend: str, held: bool) -> None: ...
+
+
+class Announcer(Protocol):
+    """The part of `router.bus_server.EventBusServer` the writer lease asks (push mode)."""
+
+    def announced_backends(self) -> set[str]: ...
+
+    async def wait_announced(self, backend: str) -> None: ...
+
 
 def index_applier(index: KvIndex) -> ApplyRecord:
     """The usual `apply_record`: each record goes to `index` as it is (already validated)."""
@@ -117,7 +139,8 @@ class KvEventConsumerManager:
     wall-clock time of `last_event_at`; `sleep` waits between attempts; `monotonic` times outages
     and spaces the repeats of an unchanged failure's log line by `log_repeat_interval_s` (tests
     inject all three). `ssl_context` is passed to aiohttp for https/wss endpoints (None: verify
-    against the system roots).
+    against the system roots). `lease` (and `announcer` for event-bus sources) turn on the
+    writer lease (the module docstring).
     """
 
     def __init__(
@@ -135,6 +158,8 @@ class KvEventConsumerManager:
         ssl_context: ssl.SSLContext | None = None,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        lease: WriterLease | None = None,
+        announcer: Announcer | None = None,
     ) -> None:
         self.apply_record = apply_record
         self.open_announced_stream = open_announced_stream
@@ -152,6 +177,10 @@ class KvEventConsumerManager:
         self._runners: dict[str, _SourceRunner] = {}
         self._session: aiohttp.ClientSession | None = None
         self._started = False
+        self.lease = lease
+        self.announcer = announcer
+        self._keepers: dict[str, LeaseKeeper] = {}
+        self._consume_all = False
         for cfg in sources:
             if cfg.backend_name in self._configs:
                 raise ValueError(f"duplicate event source {cfg.backend_name!r}")
@@ -180,14 +209,18 @@ class KvEventConsumerManager:
             return
         self._started = True
         for name in self._configs:
-            self._spawn(name)
+            self._start_source(name)
 
     async def stop(self) -> None:
-        """Cancel every consumer, wait for them, close the HTTP session."""
+        """Cancel every consumer, wait for them, give the leases back, close the HTTP session."""
         self._started = False
+        keepers = list(self._keepers.values())
+        self._keepers.clear()
+        await _stop_keepers(keepers)
         runners = list(self._runners.values())
         self._runners.clear()
         await _cancel_all(runners)
+        await asyncio.gather(*(k.close("shutdown") for k in keepers))
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -198,6 +231,23 @@ class KvEventConsumerManager:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    def _start_source(self, name: str) -> None:
+        if self.lease is not None:
+            keeper = LeaseKeeper(self.lease, name, on_acquired=lambda: self._lease_acquired(name),
+                                 on_lost=lambda: self._lease_lost(name),
+                                 gate=_SourceGate(self, name), monotonic=self.monotonic,
+                                 log_repeat_interval_s=self.log_repeat_interval_s)
+            self._keepers[name] = keeper
+            keeper.start()
+        if self._wants_runner(name):
+            self._spawn(name)
+
+    def _wants_runner(self, name: str) -> bool:
+        if self.lease is None or self._consume_all:
+            return True
+        keeper = self._keepers.get(name)
+        return keeper is not None and keeper.is_writer
 
     def _spawn(self, name: str) -> None:
         runner = _SourceRunner(self, self._configs[name], self._states[name])
@@ -216,7 +266,7 @@ class KvEventConsumerManager:
         self._configs[name] = config
         self._states[name] = SourceState(name)
         if self._started:
-            self._spawn(name)
+            self._start_source(name)
 
     async def remove_source(self, backend: str) -> bool:
         """Stop and forget a source; False when there is none by that name. Its index entries
@@ -225,9 +275,14 @@ class KvEventConsumerManager:
             return False
         del self._configs[backend]
         self._states.pop(backend, None)
+        keeper = self._keepers.pop(backend, None)
+        if keeper is not None:
+            await _stop_keepers([keeper])
         runner = self._runners.pop(backend, None)
         if runner is not None:
             await _cancel_all([runner])
+        if keeper is not None:
+            await keeper.close("source_removed")
         return True
 
     async def reload(self, sources: Iterable[EventSourceConfig]) -> ReloadResult:
@@ -249,7 +304,7 @@ class KvEventConsumerManager:
         await _cancel_all(stopping)
         for name in restarted:
             self._configs[name] = wanted[name]
-            if self._started:
+            if self._started and self._wants_runner(name):
                 self._spawn(name)
         for name in added:
             self.add_source(wanted[name])
@@ -270,6 +325,59 @@ class KvEventConsumerManager:
                 self._spawn(name)
         log.info("kv_consumers_resync", reason=reason, sources=len(names))
         return names
+
+    # --- the writer lease ------------------------------------------------------------------
+
+    async def consume_all(self, active: bool) -> None:
+        """With the writer lease: `True` runs every source whatever the lease (the index is in its
+        in-memory fallback, which only this router's own streams fill), each from a resync;
+        `False` stops again the sources this router does not hold."""
+        if self.lease is None or active == self._consume_all:
+            self._consume_all = active
+            return
+        self._consume_all = active
+        if active:
+            # The fallback starts empty: every source, the ones this router writes included,
+            # fills it from a resync.
+            await _cancel_all([self._runners.pop(n) for n in list(self._runners)])
+            for name in self._configs:
+                self._states[name].last_event_id = None
+                if self._started and name not in self._runners:
+                    self._spawn(name)
+            log.info("kv_consumers_consume_all", reason="index_fallback", sources=len(self._runners))
+            return
+        stopping = [self._runners.pop(n) for n in list(self._runners) if not self._wants_runner(n)]
+        await _cancel_all(stopping)
+        log.info("kv_consumers_lease_rule", reason="index_recovered", stopped=len(stopping))
+
+    async def _lease_acquired(self, name: str) -> None:
+        if self.metrics is not None:
+            self.metrics.set_lease_held(name, True)
+        runner = self._runners.pop(name, None)
+        if runner is not None:
+            await _cancel_all([runner])
+        if name in self._configs:
+            # A resync: whatever the previous writer left, the shared index becomes right.
+            self._states[name].last_event_id = None
+            if self._started:
+                self._spawn(name)
+
+    async def _lease_lost(self, name: str) -> None:
+        if self.metrics is not None:
+            self.metrics.set_lease_held(name, False)
+        if self._consume_all:
+            return
+        runner = self._runners.pop(name, None)
+        if runner is not None:
+            await _cancel_all([runner])
+
+    def lease_status(self, backend: str) -> tuple[str, str | None]:
+        """(`writer` | `standby` | `disabled`, the holder id last seen)."""
+        keeper = self._keepers.get(backend)
+        if self.lease is None or keeper is None:
+            return "disabled", None
+        role = "writer" if keeper.state is LeaseState.WRITER else "standby"
+        return role, keeper.holder
 
     # --- stats -----------------------------------------------------------------------------
 
@@ -297,23 +405,64 @@ class KvEventConsumerManager:
                 "ended": dict(s.ended),
                 "next_delay_s": s.next_delay_s,
             }
+            if self.lease is not None:
+                out[name]["lease"], out[name]["lease_holder"] = self.lease_status(name)
+                out[name]["running"] = name in self._runners
         return out
 
     def source_statuses(self) -> list[SourceStatus]:
         """The admin API's per-source view (`create_admin_app(source_status=...)`)."""
-        return [
-            SourceStatus(
+        out = []
+        for name in self._configs:
+            s = self._states[name]
+            lease, holder = self.lease_status(name)
+            out.append(SourceStatus(
                 backend_name=name, connected=s.connected, events_received=s.received,
                 events_dropped=s.dropped.total(),
                 index_created=s.applied_by_event[RecordEvent.CACHE_CREATED.value],
                 index_evicted=s.applied_by_event[RecordEvent.CACHE_EVICTED.value],
                 reconnect_count=s.reconnect_count, last_event_at=s.last_event_at,
-            )
-            for name, s in ((n, self._states[n]) for n in self._configs)
-        ]
+                lease=lease, lease_holder=holder,
+            ))
+        return out
 
     def state(self, backend: str) -> SourceState:
         return self._states[backend]
+
+
+class _SourceGate:
+    """A source's `WriterGate`: an event-bus source while a live session announces it (the
+    source's transport is read at each question: a reload may change it), any other always."""
+
+    def __init__(self, manager: KvEventConsumerManager, name: str) -> None:
+        self.manager = manager
+        self.name = name
+
+    def eligible(self) -> bool:
+        cfg = self.manager._configs.get(self.name)
+        if cfg is not None and cfg.transport is Transport.EVENT_BUS:
+            bus = self.manager.announcer
+            return bus is not None and self.name in bus.announced_backends()
+        return True
+
+    async def wait_eligible(self) -> None:
+        while not self.eligible():
+            bus = self.manager.announcer
+            if bus is None:  # an event-bus source without a bus is never read: never contend
+                await asyncio.Event().wait()
+            else:
+                await bus.wait_announced(self.name)
+
+
+async def _stop_keepers(keepers: list[LeaseKeeper]) -> None:
+    """Stop the lease loops (no new lease taken); giving back what they hold is `close()`'s."""
+    tasks = [k.task for k in keepers if k.task is not None]
+    for t in tasks:
+        t.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for k in keepers:
+        k.task = None
 
 
 async def _cancel_all(runners: list[_SourceRunner]) -> None:

@@ -73,6 +73,8 @@ class SourceStatus:
     index_evicted: int = 0  # cache_evicted applied
     reconnect_count: int = 0
     last_event_at: float | None = None  # wall clock (epoch seconds) of the last event
+    lease: str = "disabled"  # writer lease: "writer" | "standby" | "disabled" (no lease)
+    lease_holder: str | None = None  # the lease's holder id last seen
 
 
 @dataclass(slots=True)

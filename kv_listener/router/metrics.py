@@ -12,6 +12,9 @@ values come from. A label value outside its allow-list is folded into `other` (b
 - `continuum_kv_event_dropped_total{backend, reason}`: prefix events the consumer could not apply.
 - `continuum_kv_consumer_connected{backend}`: 1 while the backend's event stream is connected.
 - `continuum_cache_fallback_active`: 1 while the Redis index runs on its in-memory fallback.
+- `continuum_kv_writer_lease_held{backend}`: 1 while this router holds the backend's writer lease
+  (`kv_cache_index.writer_lease`, issue 16), so it consumes that stream and writes the shared
+  index; 0 on a standby, and always 0 without the lease.
 - `continuum_kv_admin_auth_failures_total{reason}`: admin requests refused with 401 (`admin.auth`
   set); reason `missing` (no authorization header) | `malformed` (not `Bearer <token>`) |
   `invalid` (a token no `admin.auth.tokens[]` entry has). Zero for ever without `admin.auth`.
@@ -87,6 +90,11 @@ class RouterMetrics:
             "1 while the backend's prefix event stream is connected.",
             ["backend"], registry=registry,
         )
+        self.lease_held = Gauge(
+            "continuum_kv_writer_lease_held",
+            "1 while this router holds the backend's writer lease (it writes the shared index).",
+            ["backend"], registry=registry,
+        )
         self.fallback_active = Gauge(
             "continuum_cache_fallback_active",
             "1 while the Redis KV index serves from its in-memory fallback.",
@@ -103,6 +111,7 @@ class RouterMetrics:
         # must fire for a consumer that never connected, not be absent).
         for b in sorted(self.backends):
             self.consumer_connected.labels(backend=b).set(0)
+            self.lease_held.labels(backend=b).set(0)
             self._zero_drops(b)
         for d in Decision:
             for t in TierLabel:
@@ -119,8 +128,11 @@ class RouterMetrics:
         for b in sorted(self.backends - new):
             with contextlib.suppress(KeyError):
                 self.consumer_connected.remove(b)
+            with contextlib.suppress(KeyError):
+                self.lease_held.remove(b)
         for b in sorted(new - self.backends):
             self.consumer_connected.labels(backend=b).set(0)
+            self.lease_held.labels(backend=b).set(0)
             self._zero_drops(b)
         self.backends = new
 
@@ -145,6 +157,11 @@ class RouterMetrics:
 
     def set_connected(self, backend: str, connected: bool) -> None:
         self.consumer_connected.labels(backend=self._backend(backend)).set(1 if connected else 0)
+
+    def set_lease_held(self, backend: str, held: bool) -> None:
+        """Label values are configured backends only: a lease of another name is not shown."""
+        if backend in self.backends:
+            self.lease_held.labels(backend=backend).set(1 if held else 0)
 
     def set_fallback_active(self, active: bool) -> None:
         self.fallback_active.set(1 if active else 0)

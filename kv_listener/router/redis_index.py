@@ -34,11 +34,13 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 
 from kv_listener.configkit import read_secret
 from kv_listener.core.records import Record, is_prefix_hash
@@ -76,7 +78,7 @@ class RedisKvIndex(KvIndex):
 
     def __init__(
         self,
-        client: Redis,
+        client: Any,  # redis.asyncio.Redis, or a RedisCluster with `cluster`
         *,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         entry_ttl_seconds: int = 600,
@@ -87,10 +89,15 @@ class RedisKvIndex(KvIndex):
         probe_interval_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         log_repeat_interval_s: float = LOG_REPEAT_INTERVAL_S,
+        cluster: bool = False,
+        failover_wait_s: float = 15.0,
+        address: str | None = None,
     ) -> None:
         self.redis = RedisOnlyKvIndex(client, key_prefix=key_prefix,
                                       entry_ttl_seconds=entry_ttl_seconds, offloading=offloading,
-                                      on_error=self._failed)
+                                      on_error=self._failed, cluster=cluster,
+                                      failover_wait_s=failover_wait_s, address=address,
+                                      clock=clock)
         self.offloading = self.redis.offloading
         self._fallback: InMemoryKvIndex | None = (
             InMemoryKvIndex(max_entries=max_entries, entry_ttl_seconds=entry_ttl_seconds,
@@ -125,19 +132,15 @@ class RedisKvIndex(KvIndex):
         clock: Callable[[], float] = time.monotonic,
         log_repeat_interval_s: float = LOG_REPEAT_INTERVAL_S,
     ) -> RedisKvIndex:
-        """Build the client from `response_cache.redis`. Raises ConfigError (password file)."""
+        """Build the client from `response_cache.redis` (a cluster client with `cluster: true`).
+        Raises ConfigError (password file)."""
         url = redis_cfg.url
         if redis_cfg.tls and url.startswith("redis://"):
             url = "rediss://" + url.removeprefix("redis://")
         kwargs: dict[str, Any] = {
             "max_connections": redis_cfg.pool_size,
-            # Waiting for a pooled connection is bounded like connecting.
-            "timeout": redis_cfg.connect_timeout_ms / 1000,
             "socket_connect_timeout": redis_cfg.connect_timeout_ms / 1000,
             "socket_timeout": redis_cfg.command_timeout_ms / 1000,
-            # One immediate retry covers a pooled connection Redis closed (restart); anything
-            # more would delay the switch to the fallback by redis-py's default backoff.
-            "retry": Retry(NoBackoff(), 1),
             "decode_responses": True,
         }
         if redis_cfg.use_tls and redis_cfg.ca_file is not None:
@@ -147,13 +150,29 @@ class RedisKvIndex(KvIndex):
         password = read_secret(redis_cfg.password_file, redis_cfg.password_env)
         if password is not None:
             kwargs["password"] = password.decode("utf-8")
-        pool = BlockingConnectionPool.from_url(url, **kwargs)
+        client: Any
+        if redis_cfg.cluster:
+            # The cluster client follows MOVED/ASK and refreshes its slot map itself; two quick
+            # retries of its own, then the store's failover window (redis_store) takes over.
+            kwargs["retry"] = Retry(ExponentialBackoff(cap=0.5, base=0.05), 2)
+            client = RedisCluster.from_url(url, **kwargs)
+        else:
+            # Waiting for a pooled connection is bounded like connecting. One immediate retry
+            # covers a pooled connection Redis closed (restart); anything more would delay the
+            # switch to the fallback by redis-py's default backoff.
+            kwargs["timeout"] = redis_cfg.connect_timeout_ms / 1000
+            kwargs["retry"] = Retry(NoBackoff(), 1)
+            client = Redis.from_pool(BlockingConnectionPool.from_url(url, **kwargs))
+        split = urlsplit(url)
         return cls(
-            Redis.from_pool(pool), key_prefix=kv_cfg.key_prefix,
+            client, key_prefix=kv_cfg.key_prefix,
             entry_ttl_seconds=kv_cfg.entry_ttl_seconds, offloading=kv_cfg.storage_offloading,
             fallback_to_memory=redis_cfg.fallback_to_memory, max_entries=kv_cfg.max_entries,
             metrics=metrics, probe_interval_s=probe_interval_s, clock=clock,
-            log_repeat_interval_s=log_repeat_interval_s,
+            log_repeat_interval_s=log_repeat_interval_s, cluster=redis_cfg.cluster,
+            failover_wait_s=redis_cfg.failover_wait_ms / 1000,
+            address=(f"cluster:{split.hostname}:{split.port or 6379}" if redis_cfg.cluster
+                     else None),
         )
 
     # --- the Redis-only index's keys and figures -------------------------------------------

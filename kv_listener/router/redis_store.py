@@ -1,29 +1,31 @@
 """`RedisOnlyKvIndex`: the KV index in Redis sorted sets, shared by every router using the same
-Redis. Redis only: a failure is raised (writes, stats, clear) or reported (batched lookups); the
-in-memory fallback around it is `redis_index.RedisKvIndex`'s.
+Redis (one server, or a Redis Cluster). Redis only: a failure is raised (writes, stats, clear) or
+reported (batched lookups); the in-memory fallback around it is `redis_index.RedisKvIndex`'s.
 
-Owns: the Redis key layout (SPEC §8), its atomic writes, and the batched lookups.
+Owns: the Redis key layout (SPEC §8), its atomic writes, what a cluster changes, and the failover
+window; the batched lookups are `redis_lookups.LookupBatcher`'s.
 
 Layout (the prefix `cr:kvidx:` is `kv_cache_index.key_prefix`):
 - `cr:kvidx:<prefix_hash>`          ZSET backend -> token_count of GPU-hot holders;
 - `cr:kvidx:warm:<prefix_hash>`     ZSET backend -> token_count of storage-warm holders;
 - `cr:kvidx:backend:<backend>`      SET of the prefix hashes of that backend (for cache_cleared).
-Every write is one MULTI/EXEC pipeline that also sets `EXPIRE entry_ttl_seconds` on the keys it
-adds to. Reads are `ZREVRANGEBYSCORE <key> +inf -inf WITHSCORES` on both ZSETs (on the GPU one
-only when `storage_offloading` is off: such a router never writes a warm holder and its in-memory
-twin never reports one, so it does not read them either).
+On one server every write is one MULTI/EXEC pipeline that also sets `EXPIRE entry_ttl_seconds` on
+the keys it adds to.
 
-Reads are batched the way a pipelining connection pool batches ("natural batching"): a `lookup()`
-that finds no lookup in flight goes out at once (in a task started for it, so lookups of the same
-event-loop tick share its round trip); lookups that arrive while a lookup round trip is in flight
-wait for it and then go out together as one pipeline (`transaction=False`, at most
-`LOOKUP_BATCH` prefixes; a larger backlog takes several). Lookups of one prefix in a window share
-one round trip, and each caller gets its own list. A cancelled caller only drops its own answer.
-A failed round trip is one Redis failure (one `on_error` call), and every caller of that batch,
-and of the batches waiting behind it while `paused` (the wrapper's fallback is active), gets
-None; a command error of one prefix (a foreign key of the wrong type) fails only that prefix's
-callers. The raw replies are read in either protocol (redis-py 8 speaks RESP3 by default, older
-versions RESP2).
+On a Redis Cluster (`cluster: true`) the two ZSETs of a prefix carry the prefix hash as a hash tag
+(`cr:kvidx:{<prefix_hash>}`, `cr:kvidx:warm:{<prefix_hash>}`): they live in one slot, so a
+write of one prefix stays one MULTI/EXEC (a tier move is never half done). A backend's set lives
+in another slot and cannot join that transaction; it is kept a superset of the backend's entries
+instead: an upsert adds to it before its transaction, a removal takes from it after its
+transaction, so `cache_cleared` (which removes the holder from every prefix its set lists, then
+exactly the members it read, never a member added meanwhile) misses nothing, and a member left
+over by a failure between the two steps is pruned by `cleanup_expired`. Slot moves and failover:
+redis-py's cluster client follows MOVED and ASK; what still surfaces (a moved slot under
+concurrency, a master killed before its replica is promoted: connection errors, CLUSTERDOWN,
+TRYAGAIN) is retried with backoff for up to `failover_wait_s` from the first failure of the
+outage (writes wait; lookups meanwhile answer None, so requests take the default strategy), and
+only a failure beyond that window reaches the caller (the wrapper then takes its fallback).
+Every step is idempotent, so a retried step after an unknown outcome is safe.
 
 Differences from the in-memory index, by design of the layout: the TTL is per prefix key, so a
 write for any backend refreshes it for every holder of that prefix (the listener's explicit
@@ -37,14 +39,22 @@ sets of prefix hashes whose ZSETs have expired.
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import AsyncIterator, Callable, Iterable
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import structlog
-from redis.asyncio import Redis
-from redis.exceptions import RedisError, WatchError
+from redis.exceptions import (
+    ClusterError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+    WatchError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from kv_listener.backoff import Backoff
 from kv_listener.core.model import Tier
 from kv_listener.core.records import Record, RecordEvent, is_prefix_hash
 from kv_listener.router.config import DEFAULT_KEY_PREFIX, StorageOffloadingConfig
@@ -58,70 +68,41 @@ from kv_listener.router.index import (
     KvIndex,
     Outcome,
     Upsert,
-    sort_holders,
     transition,
 )
+from kv_listener.router.oplog import error_fields
+from kv_listener.router.redis_lookups import LOOKUP_BATCH, LookupBatcher, as_str
+
+__all__ = ["LOOKUP_BATCH", "REDIS_ERRORS", "IndexUnavailableError", "RedisOnlyKvIndex",
+           "redis_address"]
 
 log = structlog.get_logger(__name__)
 
-#: What "Redis is unreachable" looks like (redis-py wraps most, TimeoutError is an OSError).
-REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError)
+#: What "Redis is unreachable" looks like (redis-py wraps most, TimeoutError is an OSError; the
+#: cluster client raises RedisClusterException, not a RedisError, when it has no node to ask).
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError, RedisClusterException)
+#: What a cluster shows while a slot moves or a master fails over: retried in the failover window.
+_CLUSTER_TRANSIENT: tuple[type[Exception], ...] = (
+    RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError,
+    RedisClusterException)
 _WATCH_RETRIES = 8
 _BATCH = 256
-#: Most prefixes one lookup pipeline carries (2 commands each, 1 without storage offloading):
-#: enough for a burst of concurrent requests, small enough that a reply stays well inside one
-#: command timeout. A module constant: SPEC §8 names no key for it.
-LOOKUP_BATCH = 256
 
-_ZREV = b"ZREVRANGEBYSCORE"
-_ALL_WITH_SCORES = (b"+inf", b"-inf", b"WITHSCORES")
-
-#: One prefix's waiting callers: each has its own future, so a cancelled caller cancels only its
-#: own. A result of None means "Redis failed" (or was not asked): the wrapper reads its fallback.
-_Waiters = list[asyncio.Future[list[Holder] | None]]
+T = TypeVar("T")
 
 
 class IndexUnavailableError(Exception):
     """Redis is unreachable and the in-memory fallback is disabled."""
 
 
-def _str(value: Any) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-def _score_rows(rows: Any) -> Any:
-    """`(member, score)` pairs of a raw `... WITHSCORES` reply: RESP3 sends them nested (scores
-    as doubles), RESP2 flat (scores as strings)."""
-    if rows and not isinstance(rows[0], list | tuple):
-        return zip(rows[::2], map(float, rows[1::2]), strict=True)
-    return rows
-
-
-def _holders(hot_rows: Any, warm_rows: Any) -> list[Holder]:
-    """Holders from the raw replies of the GPU and the warm ZSET."""
-    found: dict[str, Holder] = {}
-    for member, score in _score_rows(hot_rows):
-        name = _str(member)
-        found[name] = Holder(name, int(score), Tier.GPU_HOT)
-    for member, score in _score_rows(warm_rows):
-        name = _str(member)
-        # Both ZSETs can name a backend only for a moment between two routers' writes; GPU
-        # wins, as it would after the second write.
-        if name not in found:
-            found[name] = Holder(name, int(score), Tier.STORAGE_WARM)
-    return sort_holders(list(found.values()))
-
-
-def _cancel_all(batch: dict[str, _Waiters]) -> None:
-    for waiters in batch.values():
-        for fut in waiters:
-            fut.cancel()
-
-
-def redis_address(client: Redis) -> str:
+def redis_address(client: Any) -> str:
     """`host:port` (or `unix:<path>`) the client connects to, for logs: never the URL, which
-    may carry the password."""
-    kwargs = client.connection_pool.connection_kwargs
+    may carry the password. A cluster client: its first startup node, as `cluster:host:port`."""
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        nodes = getattr(client.nodes_manager, "startup_nodes", {}) or {"?": None}
+        return f"cluster:{next(iter(nodes))}"
+    kwargs = pool.connection_kwargs
     if kwargs.get("path"):
         return f"unix:{kwargs['path']}"
     host = str(kwargs.get("host", "localhost"))
@@ -133,7 +114,7 @@ async def _batches(members: AsyncIterator[Any]) -> AsyncIterator[list[str]]:
     """A SCAN-family iterator's members as strings, `_BATCH` at a time."""
     batch: list[str] = []
     async for member in members:
-        batch.append(_str(member))
+        batch.append(as_str(member))
         if len(batch) >= _BATCH:
             yield batch
             batch = []
@@ -151,50 +132,87 @@ OnError = Callable[[BaseException, str], None]
 
 
 class RedisOnlyKvIndex(KvIndex):
-    """The index in Redis. `on_error(exc, op)` hears of each failed lookup round trip (and of
-    a failed cleanup round) instead of the callers; without it, `query` raises
-    `IndexUnavailableError` and `cleanup_expired` the Redis error."""
+    """The index in Redis (one server, or a cluster with `cluster=True`). `on_error(exc, op)`
+    hears of each failed lookup round trip (and of a failed cleanup round) instead of the
+    callers; without it, `query` raises `IndexUnavailableError` and `cleanup_expired` the Redis
+    error. On a cluster, failures inside the failover window are retried or answered None
+    without `on_error` (module docstring)."""
 
     def __init__(
         self,
-        client: Redis,
+        client: Any,  # redis.asyncio.Redis, or redis.asyncio.cluster.RedisCluster with cluster
         *,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         entry_ttl_seconds: int = 600,
         offloading: StorageOffloadingConfig | None = None,
         on_error: OnError | None = None,
+        cluster: bool = False,
+        failover_wait_s: float = 15.0,
+        address: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
         self.key_prefix = key_prefix
-        self._hot_key_b = key_prefix.encode()  # + prefix hash: `hot_key`, for the raw lookups
-        self._warm_key_b = f"{key_prefix}warm:".encode()
+        self.cluster = cluster
+        self._open, self._close = ("{", "}") if cluster else ("", "")
         self.ttl_s = int(entry_ttl_seconds)
         self.offloading = offloading or StorageOffloadingConfig()
-        self.address = redis_address(client)
+        self.address = address or redis_address(client)
         self.on_error = on_error
-        #: While True no lookup round trip is sent: waiting callers get None at once (the
-        #: wrapper's fallback serves them; a lone lookup would not go to Redis either).
-        self.paused = False
+        self.failover_wait_s = failover_wait_s if cluster else 0.0
+        self._clock = clock
+        self._failing_since: float | None = None  # first failure of a cluster outage (its clock)
+        self.transient_errors = 0  # cluster failures retried or ridden out (this process)
         self.expired = 0  # stale backend-set members pruned (this process)
-        # Prefixes waiting for the next lookup round trip (insertion order = arrival order), and
-        # the task sending them; it runs while there is anything to send, one round trip at a time.
-        self._waiting: dict[str, _Waiters] = {}
-        self._lookup_task: asyncio.Task[None] | None = None
-        self.lookup_round_trips = 0  # lookup pipelines sent to Redis (this process)
+        end = self._close.encode()
+        self._lookups = LookupBatcher(
+            client, hot_key=(f"{key_prefix}{self._open}".encode(), end),
+            warm_key=(f"{key_prefix}warm:{self._open}".encode(), end),
+            warm=self.offloading.enabled, on_error=self._lookup_failed,
+            on_success=self._succeeded, errors=REDIS_ERRORS, cluster=cluster)
 
     # --- keys ------------------------------------------------------------------------------
 
     def hot_key(self, prefix_hash: str) -> str:
-        return f"{self.key_prefix}{prefix_hash}"
+        return f"{self.key_prefix}{self._open}{prefix_hash}{self._close}"
 
     def warm_key(self, prefix_hash: str) -> str:
-        return f"{self.key_prefix}warm:{prefix_hash}"
+        return f"{self.key_prefix}warm:{self._open}{prefix_hash}{self._close}"
 
     def backend_key(self, backend: str) -> str:
         return f"{self.key_prefix}backend:{backend}"
 
+    def _classify(self, key: str) -> tuple[str, str] | None:
+        """('hot'|'warm', prefix_hash) or ('backend', name) for our keys, None for others."""
+        rest = key[len(self.key_prefix):]
+        kind = "hot"
+        if rest.startswith("warm:"):
+            kind, rest = "warm", rest[5:]
+        elif rest.startswith("backend:"):
+            return "backend", rest[8:]
+        if self.cluster:
+            if not (rest.startswith("{") and rest.endswith("}")):
+                return None
+            rest = rest[1:-1]
+        return (kind, rest) if is_prefix_hash(rest) else None
+
+    # --- the lookups' switches and figures ----------------------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        """While True no lookup round trip is sent (the wrapper's fallback is active)."""
+        return self._lookups.paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        self._lookups.paused = value
+
+    @property
+    def lookup_round_trips(self) -> int:
+        return self._lookups.round_trips
+
     async def ping_error(self) -> BaseException | None:
-        """None when Redis answers a PING, else what it raised."""
+        """None when Redis answers a PING (every master of a cluster), else what it raised."""
         try:
             await self.client.ping()
         except REDIS_ERRORS as exc:
@@ -208,24 +226,103 @@ class RedisOnlyKvIndex(KvIndex):
         if self.on_error is not None:
             self.on_error(exc, op)
 
+    # --- the cluster's failover window --------------------------------------------------------
+
+    def _ride_out(self, exc: BaseException) -> bool:
+        """True when `exc` is a cluster's transient failure inside the failover window (counted,
+        the first one logged); False when the caller must treat it as a failure."""
+        if self.failover_wait_s <= 0 or not isinstance(exc, _CLUSTER_TRANSIENT):
+            return False
+        now = self._clock()
+        if self._failing_since is None:
+            self._failing_since = now
+            log.warning("kv_index_redis_cluster_retrying", address=self.address,
+                        failover_wait_s=self.failover_wait_s, **error_fields(exc))
+        self.transient_errors += 1
+        return now - self._failing_since < self.failover_wait_s
+
+    def _succeeded(self) -> None:
+        if self._failing_since is not None:
+            log.info("kv_index_redis_cluster_recovered", address=self.address,
+                     outage_s=round(self._clock() - self._failing_since, 3),
+                     transient_errors=self.transient_errors)
+            self._failing_since = None
+
+    def _lookup_failed(self, exc: BaseException) -> None:
+        if not self._ride_out(exc):
+            self._report(exc, "query")
+
+    async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run `op` (idempotent); on a cluster, again after a transient failure, with backoff,
+        until the failover window since the outage's first failure has passed."""
+        backoff = Backoff(0.05, 1.0, jitter=0.2)
+        while True:
+            try:
+                result = await op()
+            except REDIS_ERRORS as exc:
+                if not self._ride_out(exc):
+                    raise
+                assert self._failing_since is not None
+                left = self._failing_since + self.failover_wait_s - self._clock()
+                await asyncio.sleep(max(0.0, min(backoff.next_delay(), left)))
+                continue
+            self._succeeded()
+            return result
+
     # --- writes ------------------------------------------------------------------------------
 
-    def _queue(self, pipe: Any, ph: str, backend: str, outcome: Outcome) -> None:
-        hot, warm, bset = self.hot_key(ph), self.warm_key(ph), self.backend_key(backend)
+    def _queue(self, pipe: Any, ph: str, backend: str, outcome: Outcome, *, zsets: bool = True,
+               bset: bool = True) -> None:
+        """The commands of one outcome: on one server all of them in one transaction; on a
+        cluster the prefix's part (`bset=False`, one slot) and the backend set's part
+        (`zsets=False`) go separately."""
+        hot, warm, bkey = self.hot_key(ph), self.warm_key(ph), self.backend_key(backend)
         if isinstance(outcome, Upsert):
             dst, other = (hot, warm) if outcome.tier is Tier.GPU_HOT else (warm, hot)
-            pipe.zadd(dst, {backend: outcome.token_count})
-            pipe.zrem(other, backend)
-            pipe.sadd(bset, ph)
-            pipe.expire(dst, self.ttl_s)
-            pipe.expire(bset, self.ttl_s)
+            if zsets:
+                pipe.zadd(dst, {backend: outcome.token_count})
+                pipe.zrem(other, backend)
+            if bset:
+                pipe.sadd(bkey, ph)
+            if zsets:
+                pipe.expire(dst, self.ttl_s)
+            if bset:
+                pipe.expire(bkey, self.ttl_s)
         elif outcome is REMOVE:
-            pipe.zrem(hot, backend)
-            pipe.zrem(warm, backend)
-            pipe.srem(bset, ph)
+            if zsets:
+                pipe.zrem(hot, backend)
+                pipe.zrem(warm, backend)
+            if bset:
+                pipe.srem(bkey, ph)
+
+    async def _write(self, ph: str, backend: str, outcome: Outcome) -> None:
+        """One outcome: one transaction on one server; on a cluster the prefix's transaction
+        with the backend set's step before (upsert) or after (removal) it."""
+        if outcome is KEEP:
+            return
+        if not self.cluster:
+            async with self.client.pipeline(transaction=True) as pipe:
+                self._queue(pipe, ph, backend, outcome)
+                await pipe.execute()
+            return
+        if isinstance(outcome, Upsert):
+            await self._write_set(ph, backend, outcome)
+        async with self.client.pipeline(transaction=True) as pipe:
+            self._queue(pipe, ph, backend, outcome, bset=False)
+            await pipe.execute()
+        if outcome is REMOVE:
+            await self._write_set(ph, backend, outcome)
+
+    async def _write_set(self, ph: str, backend: str, outcome: Outcome) -> None:
+        async with self.client.pipeline(transaction=True) as pipe:
+            self._queue(pipe, ph, backend, outcome, zsets=False)
+            await pipe.execute()
 
     async def apply(self, event: Record) -> None:
-        """Write one record in one transaction. Raises the Redis error."""
+        """Write one record (one transaction on one server). Raises the Redis error."""
+        await self._retrying(lambda: self._apply(event))
+
+    async def _apply(self, event: Record) -> None:
         if event.event is RecordEvent.CACHE_CLEARED:
             await self._clear_backend(event.backend)
             return
@@ -239,24 +336,29 @@ class RedisOnlyKvIndex(KvIndex):
             or (event.event is RecordEvent.CACHE_OFFLOADED and off.enabled and count == 0)
         )
         if not needs_current:
-            outcome = transition(event.event, count, None, off)
-            async with self.client.pipeline(transaction=True) as pipe:
-                self._queue(pipe, ph, event.backend, outcome)
-                await pipe.execute()
+            await self._write(ph, event.backend, transition(event.event, count, None, off))
             return
         await self._apply_watched(event, ph, count)
 
     async def copy_in(self, entries: Iterable[Entry]) -> None:
-        """Upsert `entries` with a fresh TTL, in transactions of a few hundred. Raises."""
+        """Upsert `entries` with a fresh TTL, in pipelines of a few hundred (transactions on one
+        server; on a cluster, whose entries span slots, plain pipelines of idempotent steps).
+        Raises."""
         snapshot = list(entries)
         for i in range(0, len(snapshot), _BATCH):
-            async with self.client.pipeline(transaction=True) as pipe:
-                for ph, backend, tier, tokens, _age in snapshot[i:i + _BATCH]:
-                    self._queue(pipe, ph, backend, Upsert(tier, tokens))
-                await pipe.execute()
+            chunk = snapshot[i:i + _BATCH]
+
+            async def send(chunk: list[Entry] = chunk) -> None:
+                async with self.client.pipeline(transaction=not self.cluster) as pipe:
+                    for ph, backend, tier, tokens, _age in chunk:
+                        self._queue(pipe, ph, backend, Upsert(tier, tokens))
+                    await pipe.execute()
+
+            await self._retrying(send)
 
     async def _apply_watched(self, event: Record, ph: str, count: int) -> None:
-        """A transition that depends on the current entry: read it under WATCH, write in MULTI."""
+        """A transition that depends on the current entry: read it under WATCH, write in MULTI
+        (on a cluster the backend set's step goes around the transaction, as in `_write`)."""
         off = self.offloading
         hot, warm = self.hot_key(ph), self.warm_key(ph)
         pipe: Any
@@ -275,22 +377,29 @@ class RedisOnlyKvIndex(KvIndex):
                     if outcome is KEEP:
                         await pipe.reset()
                         return
+                    if self.cluster and isinstance(outcome, Upsert):
+                        await self._write_set(ph, event.backend, outcome)
                     pipe.multi()
-                    self._queue(pipe, ph, event.backend, outcome)
+                    self._queue(pipe, ph, event.backend, outcome, bset=not self.cluster)
                     await pipe.execute()
+                    if self.cluster and outcome is REMOVE:
+                        await self._write_set(ph, event.backend, outcome)
                     return
                 except WatchError:
                     continue  # another router wrote this prefix meanwhile: read it again
         log.warning("kv_index_watch_contention", backend=event.backend, event=event.event.value)
 
     async def _clear_backend(self, backend: str) -> None:
+        if self.cluster:
+            await self._clear_backend_cluster(backend)
+            return
         bset = self.backend_key(backend)
         pipe: Any
         async with self.client.pipeline(transaction=True) as pipe:
             for _ in range(_WATCH_RETRIES):
                 try:
                     await pipe.watch(bset)
-                    members = [_str(m) for m in await pipe.smembers(bset)]
+                    members = [as_str(m) for m in await pipe.smembers(bset)]
                     pipe.multi()
                     for ph in members:
                         pipe.zrem(self.hot_key(ph), backend)
@@ -301,6 +410,19 @@ class RedisOnlyKvIndex(KvIndex):
                 except WatchError:
                     continue
         log.warning("kv_index_watch_contention", backend=backend, event="cache_cleared")
+
+    async def _clear_backend_cluster(self, backend: str) -> None:
+        """The backend's holders go from every prefix its set lists (slots apart: plain
+        pipelines), then exactly those members from the set: one added meanwhile stays."""
+        bset = self.backend_key(backend)
+        members = [as_str(m) for m in await self.client.smembers(bset)]
+        for i in range(0, len(members), _BATCH):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for ph in members[i:i + _BATCH]:
+                    pipe.zrem(self.hot_key(ph), backend)
+                    pipe.zrem(self.warm_key(ph), backend)
+                await pipe.execute()
+            await self.client.srem(bset, *members[i:i + _BATCH])
 
     # --- reads -------------------------------------------------------------------------------
 
@@ -315,99 +437,11 @@ class RedisOnlyKvIndex(KvIndex):
     def lookup(self, prefix_hash: str) -> asyncio.Future[list[Holder] | None]:
         """The holders of `prefix_hash` (a well-formed one) from the next lookup round trip;
         None when it failed or was not sent (`paused`)."""
-        fut: asyncio.Future[list[Holder] | None] = asyncio.get_running_loop().create_future()
-        waiters = self._waiting.get(prefix_hash)
-        if waiters is None:
-            self._waiting[prefix_hash] = [fut]
-        else:
-            waiters.append(fut)
-        if self._lookup_task is None:
-            self._lookup_task = asyncio.get_running_loop().create_task(self._send_lookups())
-        return fut
-
-    async def _send_lookups(self) -> None:
-        """Send what is waiting, one round trip at a time, until nothing is. Its own task, so a
-        cancelled caller never cancels a round trip other callers wait for."""
-        try:
-            while self._waiting:
-                if len(self._waiting) <= LOOKUP_BATCH:
-                    batch, self._waiting = self._waiting, {}
-                else:
-                    batch = {ph: self._waiting.pop(ph)
-                             for ph in list(itertools.islice(self._waiting, LOOKUP_BATCH))}
-                await self._lookup_batch(batch)
-        except BaseException:  # cancelled (loop shutdown): nobody may wait forever
-            _cancel_all(self._waiting)
-            self._waiting = {}
-            raise
-        finally:
-            self._lookup_task = None
-
-    async def _lookup_batch(self, batch: dict[str, _Waiters]) -> None:
-        # Prefixes whose every caller was cancelled meanwhile are not looked up.
-        prefixes = [ph for ph, waiters in batch.items() if not all(f.done() for f in waiters)]
-        if not prefixes:
-            return
-        warm = self.offloading.enabled
-        results: list[Any] | None = None
-        try:
-            # The round trip before this one failed: its callers and these read the fallback
-            # (a single query does not go to Redis while the fallback is active either).
-            if not self.paused:
-                async with self.client.pipeline(transaction=False) as pipe:
-                    # Raw commands, pre-encoded: no response callback re-shapes the rows
-                    # (redis-py's re-encodes every RESP3 score to bytes and parses it again), and
-                    # no argument is encoded per call. `_holders` reads either protocol's rows.
-                    hot, warm_prefix = self._hot_key_b, self._warm_key_b
-                    for ph in prefixes:
-                        key = ph.encode()
-                        pipe.execute_command(_ZREV, hot + key, *_ALL_WITH_SCORES)
-                        if warm:
-                            pipe.execute_command(_ZREV, warm_prefix + key, *_ALL_WITH_SCORES)
-                    self.lookup_round_trips += 1
-                    results = await pipe.execute(raise_on_error=False)
-        except REDIS_ERRORS as exc:
-            self._report(exc, "query")
-        except asyncio.CancelledError:
-            _cancel_all(batch)
-            raise
-        except Exception as exc:  # a bug: every caller raises it, as one query would
-            for waiters in batch.values():
-                for fut in waiters:
-                    if not fut.done():
-                        fut.set_exception(exc)
-            return
-        step = 2 if warm else 1
-        for i, ph in enumerate(prefixes):
-            holders = None
-            if results is not None:
-                hot_rows = results[i * step]
-                warm_rows = results[i * step + 1] if warm else ()
-                failed = next((r for r in (hot_rows, warm_rows) if isinstance(r, Exception)), None)
-                if failed is not None:
-                    self._report(failed, "query")  # only this prefix's callers miss Redis
-                else:
-                    holders = _holders(hot_rows, warm_rows)
-            first = True
-            for fut in batch[ph]:
-                if not fut.done():
-                    # Each caller owns its list (callers may sort or extend theirs).
-                    fut.set_result(holders if first or holders is None else list(holders))
-                    first = False
-
-    def _classify(self, key: str) -> tuple[str, str] | None:
-        """('hot'|'warm', prefix_hash) or ('backend', name) for our keys, None for others."""
-        rest = key[len(self.key_prefix):]
-        if is_prefix_hash(rest):
-            return "hot", rest
-        if rest.startswith("warm:") and is_prefix_hash(rest[5:]):
-            return "warm", rest[5:]
-        if rest.startswith("backend:"):
-            return "backend", rest[8:]
-        return None
+        return self._lookups.lookup(prefix_hash)
 
     def _scan(self, pattern_suffix: str = "*") -> AsyncIterator[list[str]]:
-        """Keys under the key prefix in batches, streamed (SCAN tolerates deletes meanwhile)."""
+        """Keys under the key prefix in batches, streamed (SCAN tolerates deletes meanwhile; on
+        a cluster redis-py scans every master)."""
         match = _glob_escape(self.key_prefix) + pattern_suffix
         return _batches(self.client.scan_iter(match=match, count=1000))
 
@@ -431,7 +465,7 @@ class RedisOnlyKvIndex(KvIndex):
                 prefixes.add(ph)
                 entries += len(members)
                 for m in members:
-                    counts = per_backend.setdefault(_str(m), [0, 0])
+                    counts = per_backend.setdefault(as_str(m), [0, 0])
                     counts[0 if kind == "hot" else 1] += 1
         return IndexStats(
             kind="redis", entries=entries, prefixes=len(prefixes),
@@ -447,19 +481,27 @@ class RedisOnlyKvIndex(KvIndex):
         cleared = 0
         async for batch in self._scan():
             zsets = [k for k in batch if (c := self._classify(k)) and c[0] != "backend"]
-            async with self.client.pipeline(transaction=True) as pipe:
+            # One server: one transaction per batch; a cluster's keys span slots: plain
+            # pipelines, one DEL per key (redis-py's cluster `unlink` is a client-side fan-out
+            # that a pipeline does not queue).
+            async with self.client.pipeline(transaction=not self.cluster) as pipe:
                 for k in zsets:
                     pipe.zcard(k)
-                pipe.unlink(*batch)
+                if self.cluster:
+                    for k in batch:
+                        pipe.delete(k)
+                else:
+                    pipe.unlink(*batch)
                 results = await pipe.execute()
-            cleared += sum(int(n) for n in results[:-1])
+            cleared += sum(int(n) for n in results[:len(zsets)])
         log.info("kv_index_cleared", backend="redis", entries=cleared, key_prefix=self.key_prefix)
         return ClearResult(entries_before_clear=before, cleared_entries=cleared)
 
     async def cleanup_expired(self) -> int:
         """Prune backend-set members whose prefix ZSETs no longer hold that backend (expired by
-        TTL). A create racing the prune can lose its set membership: the entry then survives a
-        `cache_cleared` until its TTL; rare and bounded, so no WATCH here."""
+        TTL, or left by a cluster write cut between its two steps). A create racing the prune
+        can lose its set membership: the entry then survives a `cache_cleared` until its TTL;
+        rare and bounded, so no WATCH here."""
         pruned = 0
         try:
             async for batch in self._scan("backend:*"):
@@ -491,7 +533,5 @@ class RedisOnlyKvIndex(KvIndex):
         return _batches(self.client.sscan_iter(key, count=_BATCH))
 
     async def close(self) -> None:
-        if self._lookup_task is not None:
-            await self._lookup_task  # answer the queries already waiting (bounded by timeouts)
+        await self._lookups.drain()  # answer the queries already waiting (bounded by timeouts)
         await self.client.aclose()
-
