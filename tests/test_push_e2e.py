@@ -9,8 +9,7 @@ are the same. Then the listener restarts (drain, a new epoch): the push consumer
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from kv_listener.router.bus_server import EventBusServer
 from kv_listener.router.config import EventSourceConfig, Transport
 from kv_listener.router.consumer import KvEventConsumerManager
 from tests.support.bus import TOKEN_A, listener_config, running_server, write_token
+from tests.support.tasks import running_task
 from tests.support.tls import TlsMaterial
 
 BACKEND = "vllm-1"
@@ -48,8 +48,6 @@ class Recorder:
             await self._changed.wait()
 
 
-
-
 def new_hub(epoch: str) -> StreamHub:
     # A fixed clock: the two consumers' resyncs happen at different moments, and their records
     # must still compare equal field by field (`ts` included).
@@ -57,17 +55,6 @@ def new_hub(epoch: str) -> StreamHub:
                     ping_interval_s=None, new_epoch=lambda: epoch, clock=lambda: 1764412345.5)
     hub.add_backend(BACKEND)
     return hub
-
-
-@contextlib.asynccontextmanager
-async def running(client: BusClient) -> AsyncIterator[asyncio.Task[None]]:
-    task = asyncio.create_task(client.run())
-    try:
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 SCRIPT: list[list[PrefixTransition]] = [
@@ -100,7 +87,7 @@ async def test_push_and_pull_apply_the_same_records_and_push_survives_a_listener
                                reconnect_interval_ms=20)], pulled)
         client = BusClient(listener_config(bus.port, tls, token_file), lambda: [BACKEND], hub.open)
         try:
-            async with push_mgr, pull_mgr, running(client):
+            async with push_mgr, pull_mgr, running_task(client.run()):
                 # Both consumers are connected (each got the empty log's resync: cache_cleared).
                 await hub.wait_clients(lambda n: n == 2)
                 for batch in SCRIPT:
@@ -124,7 +111,7 @@ async def test_push_and_pull_apply_the_same_records_and_push_survives_a_listener
                 client2 = BusClient(listener_config(bus.port, tls, token_file), lambda: [BACKEND],
                                     hub2.open)
                 before = len(pushed.records)
-                async with running(client2):
+                async with running_task(client2.run()):
                     # The consumer's old ID names another epoch: the new listener resyncs it.
                     await pushed.wait(lambda r: len(r) >= before + 2)
                     after = pushed.records[before:]

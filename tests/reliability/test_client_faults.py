@@ -14,6 +14,7 @@ import pytest
 
 from kv_listener.core.sse import SseParser
 from tests.reliability.harness import Stack
+from tests.support.tasks import running_task
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 
@@ -96,16 +97,13 @@ async def test_slow_and_never_reading_sse_clients(stack: Stack) -> None:
                     return
                 await asyncio.sleep(0.01)  # a deliberately slow consumer, not a wait
 
-    slow = asyncio.create_task(read_slowly())
     try:
-        for e in stack.engines.values():
-            e.traffic(60, systems=12, seed=60)
-        await stack.converge()
-        assert await stack.healthz() == 200
+        async with running_task(read_slowly()):
+            for e in stack.engines.values():
+                e.traffic(60, systems=12, seed=60)
+            await stack.converge()
+            assert await stack.healthz() == 200
     finally:
-        slow.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await slow
         for _, w in [*stalled, (slow_reader, slow_writer)]:
             w.close()
 
@@ -125,15 +123,12 @@ async def test_slowloris_headers_do_not_hold_the_listener(stack: Stack) -> None:
                     w.write(b"st: x\r\nX-%d: y\r\n" % i)
             await asyncio.sleep(0.1)  # the attack's pace, not a wait
 
-    dripping = asyncio.create_task(drip())
     try:
-        for e in stack.engines.values():
-            e.traffic(12, seed=70)
-        await stack.converge()
-        assert await stack.healthz() == 200
+        async with running_task(drip()):
+            for e in stack.engines.values():
+                e.traffic(12, seed=70)
+            await stack.converge()
+            assert await stack.healthz() == 200
     finally:
-        dripping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await dripping
         for w in drips:
             w.close()
