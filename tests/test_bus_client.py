@@ -13,10 +13,8 @@ stream, malformed and unknown session lines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import ssl
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ import pytest
 from kv_listener.backoff import Backoff
 from kv_listener.config import EventBusConfig
 from kv_listener.core import bus_protocol as bp
-from kv_listener.core.bus_protocol import Subscribe, Unsubscribe, Welcome
+from kv_listener.core.bus_protocol import Subscribe, Unsubscribe
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.sse import SseEvent, SseParser
 from kv_listener.outputs.bus_client import BACKOFF_JITTER, BusClient, BusFailure, PushEnd
@@ -45,6 +43,8 @@ from tests.support.bus import (
     write_token,
 )
 from tests.support.golden import golden
+from tests.support.scripted_router import Chunks, ScriptedRouter, scripted_client
+from tests.support.tasks import running_task
 from tests.support.tls import TlsMaterial
 
 A = "a" * 64
@@ -59,17 +59,6 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsMaterial:
 @pytest.fixture
 def token_file(tmp_path: Path) -> Path:
     return write_token(tmp_path, TOKEN_A)
-
-
-@contextlib.asynccontextmanager
-async def running_client(client: BusClient) -> AsyncIterator[asyncio.Task[None]]:
-    task = asyncio.create_task(client.run())
-    try:
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def make_hub(backends: Sequence[str] = ("vllm-1", "vllm-2"), **kwargs: Any) -> StreamHub:
@@ -99,8 +88,6 @@ class RecordingOpen:
             await self.changed.wait()
 
 
-
-
 def created(prefix: str, tokens: int) -> list[PrefixTransition]:
     return [PrefixTransition(TransitionKind.CREATED, prefix, tokens, Tier.GPU_HOT)]
 
@@ -121,7 +108,7 @@ async def test_pushed_bytes_are_the_golden_file_and_what_sse_serves(
                            lambda: [golden.BACKEND], hub.open)
         http = await serve(create_app(hub, NoSources()), "127.0.0.1", 0)
         try:
-            async with running_client(client) as run_task, aiohttp.ClientSession() as session:
+            async with running_task(client.run()) as run_task, aiohttp.ClientSession() as session:
                 await server.wait_announced(golden.BACKEND)
                 pushed = await server.open_announced_stream(golden.BACKEND, golden.RESUME_FROM)
                 resp = await session.get(f"http://127.0.0.1:{http.port}/events/{golden.BACKEND}",
@@ -146,7 +133,7 @@ async def test_unsubscribe_ends_the_request_body_within_a_second(
     hub = make_hub()
     async with running_server(tls) as server:
         client = BusClient(listener_config(server.port, tls, token_file), lambda: ["vllm-1"], hub.open)
-        async with running_client(client):
+        async with running_task(client.run()):
             await server.wait_announced("vllm-1")
             stream = await server.open_announced_stream("vllm-1", None)
             hub.publish("vllm-1", created(A, 16))
@@ -173,7 +160,7 @@ async def test_resume_with_last_id_after_router_restart(tls: TlsMaterial, token_
     async with running_server(tls) as server:
         port = server.port
         client = BusClient(listener_config(port, tls, token_file), lambda: ["vllm-1"], opener)
-        async with running_client(client):
+        async with running_task(client.run()):
             await server.wait_announced("vllm-1")
             hub.publish("vllm-1", created(A, 16))
             stream = await server.open_announced_stream("vllm-1", None)
@@ -208,7 +195,7 @@ async def test_forbidden_after_reload_shrinks_the_allow_list(tls: TlsMaterial, t
     async with running_server(tls) as server:
         client = BusClient(listener_config(server.port, tls, token_file),
                            lambda: ["vllm-1", "vllm-2"], hub.open)
-        async with running_client(client):
+        async with running_task(client.run()):
             await server.wait_announced("vllm-2")
             stream = await server.open_announced_stream("vllm-2", None)
             await client.wait_stats(lambda s: s.streams_opened == 1)
@@ -231,7 +218,7 @@ async def test_drain_sends_draining_on_every_stream_then_returns(
     async with running_server(tls) as server:
         client = BusClient(listener_config(server.port, tls, token_file, drain_deadline_s=5.0),
                            lambda: ["vllm-1", "vllm-2"], hub.open)
-        async with running_client(client) as run_task:
+        async with running_task(client.run()) as run_task:
             await server.wait_announced("vllm-2")
             s1 = await server.open_announced_stream("vllm-1", None)
             s2 = await server.open_announced_stream("vllm-2", None)
@@ -254,7 +241,7 @@ async def test_reload_announces_the_new_sources(tls: TlsMaterial, token_file: Pa
     async with running_server(tls) as server:
         client = BusClient(listener_config(server.port, tls, token_file), lambda: list(sources),
                            hub.open)
-        async with running_client(client):
+        async with running_task(client.run()):
             await client.wait_stats(lambda s: s.connected)
             client.sources_changed()  # unchanged: the session stays
             assert client.stats.sessions == 1
@@ -276,7 +263,7 @@ async def test_mtls_and_tls_server_name(tls: TlsMaterial) -> None:
         cfg = listener_config(server.port, tls, None, client_id="kv-listener-c", cert=cert,
                               server_name="bus.test")
         client = BusClient(cfg, lambda: ["vllm-1"], hub.open)
-        async with running_client(client):
+        async with running_task(client.run()):
             await server.wait_announced("vllm-1")
             assert server.sessions()[0].client_id == "kv-listener-c"
 
@@ -292,7 +279,7 @@ async def test_tls_failures_are_counted_and_retried(tls: TlsMaterial, token_file
         cfg = listener_config(server.port, tls, token_file,
                               server_name="other.test" if case == "wrong_name" else None)
         client = BusClient(cfg, lambda: ["vllm-1"], make_hub().open)
-        async with running_client(client):
+        async with running_task(client.run()):
             await client.wait_stats(lambda s: s.failures[BusFailure.TLS.value] >= 2)
     assert server.stats.sessions_opened == 0
 
@@ -301,11 +288,11 @@ async def test_unreadable_credential_and_wrong_token(tls: TlsMaterial, tmp_path:
     async with running_server(tls) as server:
         missing = BusClient(listener_config(server.port, tls, tmp_path / "nope"), lambda: ["vllm-1"],
                             make_hub().open)
-        async with running_client(missing):
+        async with running_task(missing.run()):
             await missing.wait_stats(lambda s: s.failures[BusFailure.CONFIG.value] >= 1)
         wrong = BusClient(listener_config(server.port, tls, write_token(tmp_path, b"wrong", "w")),
                           lambda: ["vllm-1"], make_hub().open)
-        async with running_client(wrong):
+        async with running_task(wrong.run()):
             await wrong.wait_stats(lambda s: s.failures[BusFailure.UNAUTHORIZED.value] >= 2)
     assert missing.stats.connects == 0  # nothing is sent without the credential
 
@@ -326,7 +313,7 @@ async def test_backoff_resets_after_a_session_welcome_for_30_s(
     async with running_server(tls) as server:
         cfg = listener_config(server.port, tls, token_file, initial_s=0.01, max_s=10.0)
         client = BusClient(cfg, lambda: ["vllm-1"], make_hub().open, clock=clock, rng=lambda: 0.0)
-        async with running_client(client):
+        async with running_task(client.run()):
             # Four refusals: the delay has doubled to 0.08 s.
             await client.wait_stats(lambda s: s.failures[BusFailure.UNAUTHORIZED.value] >= 4)
             write_token(tmp_path, TOKEN_A)
@@ -360,158 +347,6 @@ def test_only_https_urls() -> None:
 # --- against a scripted HTTP/2 router -----------------------------------------------------------
 
 
-class RouterConn:
-    """One accepted connection of `ScriptedRouter`: a real h2 server state machine whose every
-    event is handed to the test, which decides what to answer."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 initial_window: int, auto_ack: bool) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.h2 = h2.connection.H2Connection(
-            config=h2.config.H2Configuration(client_side=False, header_encoding=None))
-        self.h2.local_settings = h2.settings.Settings(client=False, initial_values={
-            h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: initial_window,
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: 100,
-        })
-        self.auto_ack = auto_ack
-        self.silent = False  # stop processing input (no PING ACKs any more)
-        self.events: asyncio.Queue[h2.events.Event] = asyncio.Queue()
-        self.received: dict[int, bytearray] = {}
-        self.paths: dict[int, str] = {}
-        self.error: BaseException | None = None
-        self.closed = asyncio.Event()
-
-    def flush(self) -> None:
-        data = self.h2.data_to_send()
-        if data:
-            self.writer.write(data)
-
-    async def run(self) -> None:
-        self.h2.initiate_connection()
-        self.flush()
-        try:
-            while data := await self.reader.read(65536):
-                if self.silent:
-                    continue
-                for ev in self.h2.receive_data(data):
-                    if isinstance(ev, h2.events.RequestReceived):
-                        hdrs = dict(ev.headers or [])
-                        self.paths[ev.stream_id] = bytes(hdrs[b":path"]).decode()
-                    if isinstance(ev, h2.events.DataReceived):
-                        self.received.setdefault(ev.stream_id, bytearray()).extend(ev.data or b"")
-                        if self.auto_ack and ev.flow_controlled_length:
-                            self.h2.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-                    await self.events.put(ev)
-                self.flush()
-        except (OSError, ssl.SSLError):
-            pass
-        except Exception as exc:  # an h2 ProtocolError: the client broke the protocol
-            self.error = exc
-        finally:
-            self.closed.set()
-            await self.events.put(h2.events.ConnectionTerminated())
-            self.writer.close()
-            with contextlib.suppress(OSError, ssl.SSLError):
-                await self.writer.wait_closed()
-
-    async def next(self, kind: type, stream_id: int | None = None) -> Any:
-        while True:
-            ev = await self.events.get()
-            if isinstance(ev, h2.events.ConnectionTerminated) and kind is not h2.events.ConnectionTerminated:
-                raise AssertionError(f"connection ended while waiting for {kind.__name__}")
-            if isinstance(ev, kind) and (stream_id is None or getattr(ev, "stream_id", None) == stream_id):
-                return ev
-
-    async def request(self, path_prefix: str) -> int:
-        while True:
-            ev = await self.next(h2.events.RequestReceived)
-            if self.paths[ev.stream_id].startswith(path_prefix):
-                return int(ev.stream_id)
-
-    async def body(self, stream_id: int) -> bytes:
-        await self.next(h2.events.StreamEnded, stream_id)
-        return bytes(self.received.get(stream_id, b""))
-
-    def respond(self, stream_id: int, status: int = 200, body: bytes = b"", end: bool = False) -> None:
-        self.h2.send_headers(stream_id, [(b":status", str(status).encode()),
-                                         (b"content-type", b"application/x-ndjson")])
-        if body or end:
-            self.h2.send_data(stream_id, body, end_stream=end)
-        self.flush()
-
-    def send(self, stream_id: int, data: bytes) -> None:
-        self.h2.send_data(stream_id, data)
-        self.flush()
-
-    async def welcome(self) -> int:
-        """Accept the session: returns its stream id."""
-        sid = await self.request(bp.SESSION_PATH)
-        hello = bp.decode_hello_body(await self.body(sid))
-        assert hello.client_id == "kv-listener-a"
-        self.respond(sid, 200, bp.encode_message(Welcome("s-1")))
-        return sid
-
-
-class ScriptedRouter:
-    def __init__(self, tls: TlsMaterial, *, initial_window: int = 65535, auto_ack: bool = True) -> None:
-        self.tls = tls
-        self.initial_window = initial_window
-        self.auto_ack = auto_ack
-        self.connections: asyncio.Queue[RouterConn] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self.server: asyncio.Server | None = None
-        self.port = 0
-
-    async def __aenter__(self) -> ScriptedRouter:
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(self.tls.server.cert, self.tls.server.key)
-        ctx.set_alpn_protocols(["h2"])
-        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0, ssl=ctx)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conn = RouterConn(reader, writer, self.initial_window, self.auto_ack)
-        await self.connections.put(conn)
-        await conn.run()
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
-
-
-def scripted_client(router: ScriptedRouter, tls: TlsMaterial, token_file: Path,
-                    open_stream: Callable[[str, str | None], AsyncIterator[bytes]],
-                    **kwargs: Any) -> BusClient:
-    return BusClient(listener_config(router.port, tls, token_file), lambda: ["vllm-1"], open_stream,
-                     **kwargs)
-
-
-class Chunks:
-    """`open_stream` yielding given chunks, then waiting until closed; records the close."""
-
-    def __init__(self, *chunks: bytes, end: bool = False) -> None:
-        self.chunks = chunks
-        self.end = end
-        self.closed = asyncio.Event()
-        self.opened: list[tuple[str, str | None]] = []
-
-    def __call__(self, backend: str, last_event_id: str | None) -> AsyncIterator[bytes]:
-        self.opened.append((backend, last_event_id))
-        return self._gen()
-
-    async def _gen(self) -> AsyncIterator[bytes]:
-        try:
-            for c in self.chunks:
-                yield c
-            if not self.end:
-                await asyncio.Event().wait()
-        finally:
-            self.closed.set()
-
-
 async def test_flow_control_windows_are_respected(tls: TlsMaterial, token_file: Path) -> None:
     """The router grants 1000 bytes per stream and acknowledges nothing by itself: the client
     sends exactly up to the window, waits for each WINDOW_UPDATE, and the router's own h2 state
@@ -520,12 +355,10 @@ async def test_flow_control_windows_are_respected(tls: TlsMaterial, token_file: 
     source = Chunks(payload, end=True)
     async with ScriptedRouter(tls, initial_window=1000, auto_ack=False) as router:
         client = scripted_client(router, tls, token_file, source)
-        async with running_client(client):
+        async with running_task(client.run()):
             conn = await router.connections.get()
             session = await conn.welcome()
-            conn.send(session, bp.encode_message(Subscribe("st-1", "vllm-1", None)))
-            sid = await conn.request("/bus/v1/streams/st-1")
-            conn.respond(sid, 200)
+            sid = await conn.subscribe(session, "st-1")
             granted = 1000
             while len(conn.received.get(sid, b"")) < len(payload):
                 await conn.next(h2.events.DataReceived, sid)
@@ -548,7 +381,7 @@ async def test_pings_both_ways_and_ping_timeout(tls: TlsMaterial, token_file: Pa
     async with ScriptedRouter(tls) as router:
         client = scripted_client(router, tls, token_file, Chunks(), ping_interval_s=0.05,
                                  ping_timeout_s=0.2)
-        async with running_client(client):
+        async with running_task(client.run()):
             conn = await router.connections.get()
             await conn.welcome()
             # The router's PING is answered.
@@ -570,7 +403,7 @@ async def test_goaway_ends_the_session_and_the_client_reconnects(tls: TlsMateria
                                                                  token_file: Path) -> None:
     async with ScriptedRouter(tls) as router:
         client = scripted_client(router, tls, token_file, Chunks())
-        async with running_client(client):
+        async with running_task(client.run()):
             conn = await router.connections.get()
             await conn.welcome()
             conn.h2.close_connection()
@@ -591,13 +424,11 @@ async def test_stream_reset_refusal_and_odd_lines(tls: TlsMaterial, token_file: 
 
     async with ScriptedRouter(tls) as router:
         client = scripted_client(router, tls, token_file, open_stream)
-        async with running_client(client):
+        async with running_task(client.run()):
             conn = await router.connections.get()
             session = await conn.welcome()
-            conn.send(session, b'{"type":"gossip","x":1}\nnot json\n'
-                      + bp.encode_message(Subscribe("st-1", "vllm-1", "e-7")))
-            sid = await conn.request("/bus/v1/streams/st-1")
-            conn.respond(sid, 200)
+            sid = await conn.subscribe(session, "st-1", "e-7",
+                                       before=b'{"type":"gossip","x":1}\nnot json\n')
             await conn.next(h2.events.DataReceived, sid)
             conn.h2.reset_stream(sid, 8)
             conn.flush()
@@ -625,12 +456,10 @@ async def test_unsubscribe_from_a_stalled_window_still_ends_the_body(
     source = Chunks(b"x" * 3000)
     async with ScriptedRouter(tls, initial_window=1000, auto_ack=False) as router:
         client = scripted_client(router, tls, token_file, source)
-        async with running_client(client):
+        async with running_task(client.run()):
             conn = await router.connections.get()
             session = await conn.welcome()
-            conn.send(session, bp.encode_message(Subscribe("st-1", "vllm-1", None)))
-            sid = await conn.request("/bus/v1/streams/st-1")
-            conn.respond(sid, 200)
+            sid = await conn.subscribe(session, "st-1")
             while len(conn.received.get(sid, b"")) < 1000:
                 await conn.next(h2.events.DataReceived, sid)
             conn.send(session, bp.encode_message(Unsubscribe("st-1")))
@@ -648,7 +477,7 @@ async def test_session_refusals(tls: TlsMaterial, token_file: Path, status: int,
                                 failure: BusFailure) -> None:
     async with ScriptedRouter(tls) as router:
         client = scripted_client(router, tls, token_file, Chunks())
-        async with running_client(client):
+        async with running_task(client.run()):
             conn = await router.connections.get()
             sid = await conn.request(bp.SESSION_PATH)
             conn.respond(sid, status, b'{"type":"x","reason":"because"}\n', end=True)
@@ -659,7 +488,7 @@ async def test_session_refusals(tls: TlsMaterial, token_file: Path, status: int,
 async def test_a_session_must_start_with_welcome(tls: TlsMaterial, token_file: Path) -> None:
     async with ScriptedRouter(tls) as router:
         client = scripted_client(router, tls, token_file, Chunks())
-        async with running_client(client):
+        async with running_task(client.run()):
             conn = await router.connections.get()
             sid = await conn.request(bp.SESSION_PATH)
             conn.respond(sid, 200, bp.encode_message(Subscribe("s", "vllm-1", None)))
