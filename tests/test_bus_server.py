@@ -29,6 +29,7 @@ from kv_listener.router.bus_server import (
     StreamEndReason,
     TlsFiles,
 )
+from kv_listener.router.bus_sessions import BusStream
 from kv_listener.router.config import parse_router_config
 from kv_listener.router.consumer import NoSessionError
 from tests.support.bus import (
@@ -89,6 +90,25 @@ async def open_session(conn: _H2Connection, port: int, body: bytes,
     session = Session(conn, port, answer.stream_id)
     assert isinstance(await session.line(), Welcome)
     return session
+
+
+async def subscribed(server: EventBusServer, session: Session,
+                     backend: str = "vllm-1") -> tuple[BusStream, Subscribe]:
+    """The consumer asks for `backend`: its stream, and the `subscribe` the session was sent."""
+    stream = await server.open_announced_stream(backend, None)
+    sub = await session.line()
+    assert isinstance(sub, Subscribe)
+    return stream, sub
+
+
+async def attached(server: EventBusServer, session: Session,
+                   backend: str = "vllm-1") -> tuple[BusStream, Subscribe, int]:
+    """`subscribed`, then the listener's POST of that stream, answered 200: also its stream id."""
+    stream, sub = await subscribed(server, session, backend)
+    conn = session.conn
+    sid = await conn.open_request(bp.stream_path(sub.stream_id), headers(server.port, TOKEN_A))
+    assert (await conn.response(sid))[0] == 200
+    return stream, sub, sid
 
 
 # --- sessions and streams ---------------------------------------------------------------------
@@ -159,11 +179,7 @@ async def test_consumer_close_sends_unsubscribe_and_stream_id_is_gone(
         server: EventBusServer, tls: TlsMaterial) -> None:
     async with h2_connection(server.port, tls) as conn:
         session = await open_session(conn, server.port, hello())
-        stream = await server.open_announced_stream("vllm-1", None)
-        sub = await session.line()
-        assert isinstance(sub, Subscribe)
-        sid = await conn.open_request(bp.stream_path(sub.stream_id), headers(server.port, TOKEN_A))
-        assert (await conn.response(sid))[0] == 200
+        stream, sub, sid = await attached(server, session)
         await conn.send_data(sid, b": ping\n\n")
         assert await anext(stream) == b": ping\n\n"
         await stream.aclose()
@@ -181,9 +197,7 @@ async def test_attach_timeout_ends_the_stream_and_unsubscribes(tls: TlsMaterial)
     async with running_server(tls, attach_timeout_s=0.05) as server, \
             h2_connection(server.port, tls) as conn:
         session = await open_session(conn, server.port, hello())
-        stream = await server.open_announced_stream("vllm-1", None)
-        sub = await session.line()
-        assert isinstance(sub, Subscribe)
+        stream, sub = await subscribed(server, session)
         assert [c async for c in stream] == []
         assert stream.end_reason is StreamEndReason.ATTACH_TIMEOUT
         assert await session.line() == Unsubscribe(sub.stream_id)
@@ -196,11 +210,7 @@ async def test_slow_consumer_loses_its_stream_not_the_connection(tls: TlsMateria
     async with running_server(tls, max_stream_buffer_bytes=1000) as server, \
             h2_connection(server.port, tls) as conn:
         session = await open_session(conn, server.port, hello(sources=("vllm-1", "vllm-2")))
-        slow = await server.open_announced_stream("vllm-1", None)
-        sub = await session.line()
-        assert isinstance(sub, Subscribe)
-        sid = await conn.open_request(bp.stream_path(sub.stream_id), headers(server.port, TOKEN_A))
-        assert (await conn.response(sid))[0] == 200
+        slow, sub, sid = await attached(server, session)
         record = b"id: e-1\nevent: cache_cleared\ndata: {}\n\n"
         for _ in range(40):  # 1.6 KB, never read by the consumer
             await conn.send_data(sid, record)
@@ -218,11 +228,7 @@ async def test_slow_consumer_loses_its_stream_not_the_connection(tls: TlsMateria
 async def test_disconnect_ends_session_and_its_streams(server: EventBusServer, tls: TlsMaterial) -> None:
     async with h2_connection(server.port, tls) as conn:
         session = await open_session(conn, server.port, hello())
-        stream = await server.open_announced_stream("vllm-1", None)
-        sub = await session.line()
-        assert isinstance(sub, Subscribe)
-        sid = await conn.open_request(bp.stream_path(sub.stream_id), headers(server.port, TOKEN_A))
-        assert (await conn.response(sid))[0] == 200
+        stream, _, sid = await attached(server, session)
         await conn.send_data(sid, b": ping\n\n")
         assert await anext(stream) == b": ping\n\n"
     # Connection closed without ending anything.
@@ -245,11 +251,7 @@ async def test_reload_that_shrinks_backends_sends_forbidden(
         server: EventBusServer, tls: TlsMaterial, failures: FailureLog) -> None:
     async with h2_connection(server.port, tls) as conn:
         session = await open_session(conn, server.port, hello(sources=("vllm-1", "vllm-2")))
-        stream = await server.open_announced_stream("vllm-2", None)
-        sub = await session.line()
-        assert isinstance(sub, Subscribe)
-        sid = await conn.open_request(bp.stream_path(sub.stream_id), headers(server.port, TOKEN_A))
-        assert (await conn.response(sid))[0] == 200
+        stream, _, sid = await attached(server, session, "vllm-2")
 
         server.update_brokers(brokers(("vllm-1", "vllm-2", "vllm-4")))  # grows: nothing happens
         assert server.sessions() and stream.end_reason is None
@@ -365,9 +367,7 @@ async def test_stream_posts_that_match_no_live_stream_are_404(
         assert failures.seen == [F.UNKNOWN_STREAM, F.UNKNOWN_STREAM]
 
         session = await open_session(conn_a, server.port, hello())
-        stream = await server.open_announced_stream("vllm-1", None)
-        sub = await session.line()
-        assert isinstance(sub, Subscribe)
+        stream, sub = await subscribed(server, session)
         path = bp.stream_path(sub.stream_id)
         # Another client (valid credential of its own) cannot push into A's stream.
         other = await post(conn_b, server.port, path, b"data: forged\n\n", token=TOKEN_B)
@@ -518,11 +518,7 @@ async def test_a_draining_record_moves_re_requests_to_another_session_at_once(
     async with h2_connection(server.port, tls) as c1, h2_connection(server.port, tls) as c2:
         older = await open_session(c1, server.port, hello())
         newer = await open_session(c2, server.port, hello())
-        stream = await server.open_announced_stream("vllm-1", None)
-        sub = await newer.line()
-        assert isinstance(sub, Subscribe)
-        sid = await c2.open_request(bp.stream_path(sub.stream_id), headers(server.port, TOKEN_A))
-        assert (await c2.response(sid))[0] == 200
+        stream, _, sid = await attached(server, newer)
         await c2.send_data(sid, b'event: draining\ndata: {"event":"draining","backend":"vllm-1"}\n\n')
         assert b"draining" in await anext(stream)
         again = await server.open_announced_stream("vllm-1", None)
