@@ -7,6 +7,8 @@ import hashlib
 import json
 import shutil
 import subprocess
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -31,6 +33,13 @@ from kv_listener.core.model import Tier
 from kv_listener.core.sse import ControlEvent, encode_comment, encode_control, encode_record
 
 R = BusProtocolErrorReason
+
+
+def refusal(step: Callable[[Any], object], arg: Any) -> R:
+    """The reason `step(arg)` refuses its input with (it must raise `BusProtocolError`)."""
+    with pytest.raises(BusProtocolError) as exc:
+        step(arg)
+    return exc.value.reason
 
 
 def test_hello_bytes_are_the_spec_example() -> None:
@@ -95,9 +104,7 @@ def test_router_lines_are_the_spec_shapes() -> None:
     ],
 )
 def test_malformed_hello_bodies_are_refused_with_a_reason(body: bytes, reason: R) -> None:
-    with pytest.raises(BusProtocolError) as exc:
-        bp.decode_hello_body(body)
-    assert exc.value.reason is reason
+    assert refusal(bp.decode_hello_body, body) is reason
 
 
 def test_hello_ignores_unknown_keys() -> None:
@@ -110,16 +117,12 @@ def test_oversized_lines_are_refused_on_both_sides() -> None:
     n = MAX_LINE_BYTES // 67 + 1  # enough distinct 64-char names to pass 64 KiB
     sources = [f"{i:04d}{big[4:]}" for i in range(n)]
     hello = Hello(Role.KV_LISTENER, "a", tuple(sources))
-    with pytest.raises(BusProtocolError) as exc:
-        bp.encode_hello(hello)
-    assert exc.value.reason is R.LINE_TOO_LONG
+    assert refusal(bp.encode_hello, hello) is R.LINE_TOO_LONG
     line = json.dumps({"type": "hello", "role": "kv_listener", "client_id": "a",
                        "sources": sources, "version": 1}).encode()
     assert len(line) > MAX_LINE_BYTES
     for decode in (bp.decode_hello, bp.decode_hello_body, bp.decode_message):
-        with pytest.raises(BusProtocolError) as exc:
-            decode(line)
-        assert exc.value.reason is R.LINE_TOO_LONG
+        assert refusal(decode, line) is R.LINE_TOO_LONG
     # Exactly at the cap is fine.
     pad = MAX_LINE_BYTES - len(b'{"type":"forbidden","reason":""}')
     with pytest.raises(BusProtocolError):  # reason too long, not the line
@@ -128,9 +131,7 @@ def test_oversized_lines_are_refused_on_both_sides() -> None:
         MAX_LINE_BYTES - len(b'{"type":"unsubscribe","stream_id":"s","x":""}')) + b'"}'
     assert len(padded) == MAX_LINE_BYTES
     assert bp.decode_message(padded) == Unsubscribe("s")
-    with pytest.raises(BusProtocolError) as exc:
-        bp.decode_message(padded[:-2] + b'p"}')
-    assert exc.value.reason is R.LINE_TOO_LONG
+    assert refusal(bp.decode_message, padded[:-2] + b'p"}') is R.LINE_TOO_LONG
 
 
 @pytest.mark.parametrize(
@@ -154,9 +155,7 @@ def test_oversized_lines_are_refused_on_both_sides() -> None:
     ],
 )
 def test_malformed_router_lines(line: bytes, reason: R) -> None:
-    with pytest.raises(BusProtocolError) as exc:
-        bp.decode_message(line)
-    assert exc.value.reason is reason
+    assert refusal(bp.decode_message, line) is reason
 
 
 def test_encoders_refuse_what_decoders_refuse() -> None:
@@ -180,9 +179,7 @@ def test_line_splitter_byte_by_byte_and_cap() -> None:
 
     s = LineSplitter(max_line_bytes=8)
     assert s.feed(b"12345678\n") == [b"12345678"]
-    with pytest.raises(BusProtocolError) as exc:
-        s.feed(b"123456789")  # refused before its newline arrives
-    assert exc.value.reason is R.LINE_TOO_LONG
+    assert refusal(s.feed, b"123456789") is R.LINE_TOO_LONG  # refused before its newline arrives
     with pytest.raises(BusProtocolError):
         LineSplitter(max_line_bytes=8).feed(b"123456789\n")
 
