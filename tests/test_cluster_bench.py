@@ -5,27 +5,20 @@ every request must be served; the figures it prints are the benchmark's, not che
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.bench import run_bench
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def test_cluster_bench_smoke_run(tmp_path: Path) -> None:
-    out = tmp_path / "cluster.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "cluster.py"), "--engines", "2", "--requests", "48",
-         "--workloads", "chat", "--strategies", "round_robin,kv_listener", "--no-peers",
-         "--no-sweep", "--json", str(out)],
-        capture_output=True, text=True, timeout=170, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads(out.read_text())
+    stdout, doc = run_bench(
+        "cluster.py", ["--engines", "2", "--requests", "48", "--workloads", "chat",
+                       "--strategies", "round_robin,kv_listener", "--no-peers", "--no-sweep"],
+        tmp_path / "cluster.json", timeout_s=170)
     runs = {(r["strategy"], r["concurrency"]): r for r in doc["results"]}
     assert set(runs) == {("round_robin", 1), ("round_robin", 16), ("kv_listener", 1),
                          ("kv_listener", 16)}
@@ -35,4 +28,4 @@ def test_cluster_bench_smoke_run(tmp_path: Path) -> None:
     # the listener's streams reached the index: requests were routed on what engines cache
     assert runs[("kv_listener", 16)]["decisions"].get("kv_aware", 0) > 0
     assert sum(runs[("round_robin", 16)]["decisions"].values()) == 48
-    assert "kv_listener" in proc.stdout and "round_robin" in proc.stdout
+    assert "kv_listener" in stdout and "round_robin" in stdout

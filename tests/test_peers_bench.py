@@ -4,28 +4,19 @@ figures are the benchmark's, not checked here beyond being there, positive and l
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.bench import run_bench
 
 pytestmark = pytest.mark.timeout(90)
 
 
 def test_peers_bench_ours_only_quick(tmp_path: Path) -> None:
-    out = tmp_path / "peers.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "peers.py"), "--quick", "--ours-only", "--reps", "1",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=80, check=False, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    text = proc.stdout
-    doc = json.loads(out.read_text())
+    text, doc = run_bench("peers.py", ["--quick", "--ours-only", "--reps", "1"],
+                          tmp_path / "peers.json", timeout_s=80)
     for workload in ("salted", "chat", "resolver"):
         figs = doc[workload]["figures"]["ours"]
         for name in ("blocks_per_s", "cpu_ms_per_1k", "rss_mib"):
