@@ -43,7 +43,7 @@ from tests.support.bus import (
     write_token,
 )
 from tests.support.golden import golden
-from tests.support.scripted_router import Chunks, ScriptedRouter, scripted_client
+from tests.support.scripted_router import Chunks, scripted
 from tests.support.tasks import running_task
 from tests.support.tls import TlsMaterial
 
@@ -353,64 +353,56 @@ async def test_flow_control_windows_are_respected(tls: TlsMaterial, token_file: 
     machine (which raises on any excess) sees no violation."""
     payload = bytes(range(256)) * 20  # 5120 bytes in one chunk
     source = Chunks(payload, end=True)
-    async with ScriptedRouter(tls, initial_window=1000, auto_ack=False) as router:
-        client = scripted_client(router, tls, token_file, source)
-        async with running_task(client.run()):
-            conn = await router.connections.get()
-            session = await conn.welcome()
-            sid = await conn.subscribe(session, "st-1")
-            granted = 1000
-            while len(conn.received.get(sid, b"")) < len(payload):
-                await conn.next(h2.events.DataReceived, sid)
-                got = len(conn.received[sid])
-                assert got <= granted
-                if got == granted:  # window used up: grant the next 1000 bytes
-                    conn.h2.increment_flow_control_window(1000, sid)
-                    conn.h2.increment_flow_control_window(1000)
-                    conn.flush()
-                    granted += 1000
-            await conn.next(h2.events.StreamEnded, sid)
-            assert bytes(conn.received[sid]) == payload
-            assert conn.error is None
-            conn.h2.end_stream(sid)  # the router's response ends with the body
-            conn.flush()
-            await client.wait_stats(lambda s: s.streams_ended[PushEnd.COMPLETED.value] == 1)
+    async with scripted(tls, token_file, source, initial_window=1000, auto_ack=False) as (
+            _, client, conn):
+        session = await conn.welcome()
+        sid = await conn.subscribe(session, "st-1")
+        granted = 1000
+        while len(conn.received.get(sid, b"")) < len(payload):
+            await conn.next(h2.events.DataReceived, sid)
+            got = len(conn.received[sid])
+            assert got <= granted
+            if got == granted:  # window used up: grant the next 1000 bytes
+                conn.h2.increment_flow_control_window(1000, sid)
+                conn.h2.increment_flow_control_window(1000)
+                conn.flush()
+                granted += 1000
+        await conn.next(h2.events.StreamEnded, sid)
+        assert bytes(conn.received[sid]) == payload
+        assert conn.error is None
+        conn.h2.end_stream(sid)  # the router's response ends with the body
+        conn.flush()
+        await client.wait_stats(lambda s: s.streams_ended[PushEnd.COMPLETED.value] == 1)
 
 
 async def test_pings_both_ways_and_ping_timeout(tls: TlsMaterial, token_file: Path) -> None:
-    async with ScriptedRouter(tls) as router:
-        client = scripted_client(router, tls, token_file, Chunks(), ping_interval_s=0.05,
-                                 ping_timeout_s=0.2)
-        async with running_task(client.run()):
-            conn = await router.connections.get()
-            await conn.welcome()
-            # The router's PING is answered.
-            conn.h2.ping(b"router!!")
-            conn.flush()
-            ack = await conn.next(h2.events.PingAckReceived)
-            assert ack.ping_data == b"router!!"
-            # The client's keep-alive PING arrives (and h2 answers it).
-            await conn.next(h2.events.PingReceived)
-            # The router goes silent: no ACK, the client declares the connection dead.
-            conn.silent = True
-            await client.wait_stats(lambda s: s.failures[BusFailure.PING_TIMEOUT.value] == 1)
-            second = await router.connections.get()  # and reconnects
-            await second.welcome()
-            await client.wait_stats(lambda s: s.sessions == 2)
+    async with scripted(tls, token_file, Chunks(), ping_interval_s=0.05, ping_timeout_s=0.2) as (
+            router, client, conn):
+        await conn.welcome()
+        # The router's PING is answered.
+        conn.h2.ping(b"router!!")
+        conn.flush()
+        ack = await conn.next(h2.events.PingAckReceived)
+        assert ack.ping_data == b"router!!"
+        # The client's keep-alive PING arrives (and h2 answers it).
+        await conn.next(h2.events.PingReceived)
+        # The router goes silent: no ACK, the client declares the connection dead.
+        conn.silent = True
+        await client.wait_stats(lambda s: s.failures[BusFailure.PING_TIMEOUT.value] == 1)
+        second = await router.connections.get()  # and reconnects
+        await second.welcome()
+        await client.wait_stats(lambda s: s.sessions == 2)
 
 
 async def test_goaway_ends_the_session_and_the_client_reconnects(tls: TlsMaterial,
                                                                  token_file: Path) -> None:
-    async with ScriptedRouter(tls) as router:
-        client = scripted_client(router, tls, token_file, Chunks())
-        async with running_task(client.run()):
-            conn = await router.connections.get()
-            await conn.welcome()
-            conn.h2.close_connection()
-            conn.flush()
-            await client.wait_stats(lambda s: s.failures[BusFailure.GOAWAY.value] == 1)
-            await (await router.connections.get()).welcome()
-            await client.wait_stats(lambda s: s.sessions == 2)
+    async with scripted(tls, token_file, Chunks()) as (router, client, conn):
+        await conn.welcome()
+        conn.h2.close_connection()
+        conn.flush()
+        await client.wait_stats(lambda s: s.failures[BusFailure.GOAWAY.value] == 1)
+        await (await router.connections.get()).welcome()
+        await client.wait_stats(lambda s: s.sessions == 2)
 
 
 async def test_stream_reset_refusal_and_odd_lines(tls: TlsMaterial, token_file: Path) -> None:
@@ -422,31 +414,28 @@ async def test_stream_reset_refusal_and_odd_lines(tls: TlsMaterial, token_file: 
     def open_stream(backend: str, last_event_id: str | None) -> AsyncIterator[bytes]:
         return next(sources)(backend, last_event_id)  # a new source per subscribe
 
-    async with ScriptedRouter(tls) as router:
-        client = scripted_client(router, tls, token_file, open_stream)
-        async with running_task(client.run()):
-            conn = await router.connections.get()
-            session = await conn.welcome()
-            sid = await conn.subscribe(session, "st-1", "e-7",
-                                       before=b'{"type":"gossip","x":1}\nnot json\n')
-            await conn.next(h2.events.DataReceived, sid)
-            conn.h2.reset_stream(sid, 8)
-            conn.flush()
-            await first.closed.wait()
-            await client.wait_stats(lambda s: s.streams_ended[PushEnd.RESET_BY_ROUTER.value] == 1)
-            assert first.opened == [("vllm-1", "e-7")]
+    async with scripted(tls, token_file, open_stream) as (_, client, conn):
+        session = await conn.welcome()
+        sid = await conn.subscribe(session, "st-1", "e-7",
+                                   before=b'{"type":"gossip","x":1}\nnot json\n')
+        await conn.next(h2.events.DataReceived, sid)
+        conn.h2.reset_stream(sid, 8)
+        conn.flush()
+        await first.closed.wait()
+        await client.wait_stats(lambda s: s.streams_ended[PushEnd.RESET_BY_ROUTER.value] == 1)
+        assert first.opened == [("vllm-1", "e-7")]
 
-            conn.send(session, bp.encode_message(Subscribe("st-2", "vllm-9", None)))  # not announced
-            conn.send(session, bp.encode_message(Subscribe("st-3", "vllm-1", None)))
-            sid3 = await conn.request("/bus/v1/streams/st-3")
-            conn.respond(sid3, 404, b'{"type":"not_found","reason":"unknown_stream"}\n', end=True)
-            await conn.next(h2.events.StreamReset, sid3)  # the client gives the stream up
-            await second.closed.wait()
-            await client.wait_stats(lambda s: s.streams_ended[PushEnd.REFUSED.value] == 1)
-            assert client.stats.protocol_errors["unknown_type"] == 1
-            assert client.stats.protocol_errors["not_json"] == 1
-            assert client.stats.protocol_errors["unannounced_source"] == 1
-            assert client.stats.connected and client.stats.sessions == 1
+        conn.send(session, bp.encode_message(Subscribe("st-2", "vllm-9", None)))  # not announced
+        conn.send(session, bp.encode_message(Subscribe("st-3", "vllm-1", None)))
+        sid3 = await conn.request("/bus/v1/streams/st-3")
+        conn.respond(sid3, 404, b'{"type":"not_found","reason":"unknown_stream"}\n', end=True)
+        await conn.next(h2.events.StreamReset, sid3)  # the client gives the stream up
+        await second.closed.wait()
+        await client.wait_stats(lambda s: s.streams_ended[PushEnd.REFUSED.value] == 1)
+        assert client.stats.protocol_errors["unknown_type"] == 1
+        assert client.stats.protocol_errors["not_json"] == 1
+        assert client.stats.protocol_errors["unannounced_source"] == 1
+        assert client.stats.connected and client.stats.sessions == 1
 
 
 async def test_unsubscribe_from_a_stalled_window_still_ends_the_body(
@@ -454,20 +443,18 @@ async def test_unsubscribe_from_a_stalled_window_still_ends_the_body(
     """The router stops granting window, then unsubscribes: the body still ends at once (an
     empty END_STREAM frame needs no window)."""
     source = Chunks(b"x" * 3000)
-    async with ScriptedRouter(tls, initial_window=1000, auto_ack=False) as router:
-        client = scripted_client(router, tls, token_file, source)
-        async with running_task(client.run()):
-            conn = await router.connections.get()
-            session = await conn.welcome()
-            sid = await conn.subscribe(session, "st-1")
-            while len(conn.received.get(sid, b"")) < 1000:
-                await conn.next(h2.events.DataReceived, sid)
-            conn.send(session, bp.encode_message(Unsubscribe("st-1")))
-            async with asyncio.timeout(1.0):
-                await conn.next(h2.events.StreamEnded, sid)
-            assert len(conn.received[sid]) == 1000
-            await source.closed.wait()
-            assert conn.error is None
+    async with scripted(tls, token_file, source, initial_window=1000, auto_ack=False) as (
+            _, _, conn):
+        session = await conn.welcome()
+        sid = await conn.subscribe(session, "st-1")
+        while len(conn.received.get(sid, b"")) < 1000:
+            await conn.next(h2.events.DataReceived, sid)
+        conn.send(session, bp.encode_message(Unsubscribe("st-1")))
+        async with asyncio.timeout(1.0):
+            await conn.next(h2.events.StreamEnded, sid)
+        assert len(conn.received[sid]) == 1000
+        await source.closed.wait()
+        assert conn.error is None
 
 
 @pytest.mark.parametrize(("status", "failure"), [(401, BusFailure.UNAUTHORIZED),
@@ -475,25 +462,19 @@ async def test_unsubscribe_from_a_stalled_window_still_ends_the_body(
                                                  (503, BusFailure.REJECTED)])
 async def test_session_refusals(tls: TlsMaterial, token_file: Path, status: int,
                                 failure: BusFailure) -> None:
-    async with ScriptedRouter(tls) as router:
-        client = scripted_client(router, tls, token_file, Chunks())
-        async with running_task(client.run()):
-            conn = await router.connections.get()
-            sid = await conn.request(bp.SESSION_PATH)
-            conn.respond(sid, status, b'{"type":"x","reason":"because"}\n', end=True)
-            await client.wait_stats(lambda s: s.failures[failure.value] == 1)
-            await router.connections.get()  # backed off, then tried again
+    async with scripted(tls, token_file, Chunks()) as (router, client, conn):
+        sid = await conn.request(bp.SESSION_PATH)
+        conn.respond(sid, status, b'{"type":"x","reason":"because"}\n', end=True)
+        await client.wait_stats(lambda s: s.failures[failure.value] == 1)
+        await router.connections.get()  # backed off, then tried again
 
 
 async def test_a_session_must_start_with_welcome(tls: TlsMaterial, token_file: Path) -> None:
-    async with ScriptedRouter(tls) as router:
-        client = scripted_client(router, tls, token_file, Chunks())
-        async with running_task(client.run()):
-            conn = await router.connections.get()
-            sid = await conn.request(bp.SESSION_PATH)
-            conn.respond(sid, 200, bp.encode_message(Subscribe("s", "vllm-1", None)))
-            await client.wait_stats(lambda s: s.failures[BusFailure.PROTOCOL.value] == 1)
-            assert client.stats.streams_opened == 0
+    async with scripted(tls, token_file, Chunks()) as (_, client, conn):
+        sid = await conn.request(bp.SESSION_PATH)
+        conn.respond(sid, 200, bp.encode_message(Subscribe("s", "vllm-1", None)))
+        await client.wait_stats(lambda s: s.failures[BusFailure.PROTOCOL.value] == 1)
+        assert client.stats.streams_opened == 0
 
 
 async def test_no_session_while_the_listener_is_away(tls: TlsMaterial) -> None:

@@ -1,7 +1,8 @@
 """A scripted HTTP/2 router for the push client's tests: a real h2 server state machine (server
 side) over real TLS on 127.0.0.1 whose every event is handed to the test, which decides what to
 answer: flow-control windows granted by hand, PINGs, GOAWAY, RST_STREAM, refusals, odd session
-lines. Also `Chunks`, an `open_stream` for the client that yields given chunks.
+lines; `scripted()` starts one with a `BusClient` dialling it. Also `Chunks`, an `open_stream` for
+the client that yields given chunks.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kv_listener.core import bus_protocol as bp
 from kv_listener.core.bus_protocol import Subscribe, Welcome
 from kv_listener.outputs.bus_client import BusClient
 from tests.support.bus import listener_config
+from tests.support.tasks import running_task
 from tests.support.tls import TlsMaterial
 
 
@@ -156,11 +158,18 @@ class ScriptedRouter:
         await self.server.wait_closed()
 
 
-def scripted_client(router: ScriptedRouter, tls: TlsMaterial, token_file: Path,
-                    open_stream: Callable[[str, str | None], AsyncIterator[bytes]],
-                    **kwargs: Any) -> BusClient:
-    return BusClient(listener_config(router.port, tls, token_file), lambda: ["vllm-1"], open_stream,
-                     **kwargs)
+@contextlib.asynccontextmanager
+async def scripted(tls: TlsMaterial, token_file: Path,
+                   open_stream: Callable[[str, str | None], AsyncIterator[bytes]], *,
+                   initial_window: int = 65535, auto_ack: bool = True, **client_kwargs: Any
+                   ) -> AsyncIterator[tuple[ScriptedRouter, BusClient, RouterConn]]:
+    """A `ScriptedRouter`, a `BusClient` for vllm-1 dialling it (running for the block), and the
+    client's first connection as the router accepted it (nothing answered yet)."""
+    async with ScriptedRouter(tls, initial_window=initial_window, auto_ack=auto_ack) as router:
+        client = BusClient(listener_config(router.port, tls, token_file), lambda: ["vllm-1"],
+                           open_stream, **client_kwargs)
+        async with running_task(client.run()):
+            yield router, client, await router.connections.get()
 
 
 class Chunks:
