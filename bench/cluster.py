@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +73,7 @@ from cluster_report import (
     write_json,
     write_plots,
 )
-from cluster_workloads import MODEL, WORKLOADS, Req
+from cluster_workloads import MODEL, WORKLOADS, Req, Target, send
 from quiet import quiet_libraries
 
 from kv_listener.router.chwbl import HashRing
@@ -83,66 +82,6 @@ from tests.conftest import free_port
 CONCURRENCIES = (1, 16)
 SWEEP = (0.25, 0.5, 1.0, 2.0)
 BENCH_STRATEGIES = ("round_robin", "chwbl", "kv_listener", "kv_listener_bounded", "oracle")
-REQUEST_TIMEOUT_S = 120.0
-
-
-# --- the client ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Target:
-    """Where a request goes and in which form."""
-
-    url: str  # base URL (an engine, or a peer router)
-    form: str = "chat"  # "chat" (/v1/chat/completions) or "tokens" (/v1/completions, token IDs)
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-async def send(http: aiohttp.ClientSession, target: Target, req: Req,
-               tokens: Callable[[Req], list[int]]) -> tuple[str, int, int, float, float | None]:
-    """One streamed request: (engine, prompt tokens, cached tokens, client TTFT, engine TTFT)."""
-    if target.form == "tokens":
-        path = "/v1/completions"
-        body: dict[str, Any] = {"model": MODEL, "prompt": tokens(req),
-                                "max_tokens": req.output_tokens}
-    else:
-        path = "/v1/chat/completions"
-        body = dict(req.body)
-    body.update(stream=True, stream_options={"include_usage": True})
-    started = time.perf_counter()
-    first: float | None = None
-    usage: dict[str, Any] = {}
-    engine = ""
-    engine_ttft: float | None = None
-    async with http.post(target.url + path, json=body, headers=target.headers,
-                         timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{path}: HTTP {resp.status}: {(await resp.text())[:200]}")
-        engine = resp.headers.get("x-engine-name", "")
-        buf = b""
-        async for chunk in resp.content.iter_any():
-            if first is None:
-                first = time.perf_counter()
-            buf += chunk
-            while b"\n\n" in buf:
-                block, buf = buf.split(b"\n\n", 1)
-                for line in block.split(b"\n"):
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        continue
-                    obj = json.loads(data)
-                    if obj.get("usage"):
-                        usage = obj["usage"]
-                    sim = obj.get("x_sim") or {}
-                    engine = sim.get("engine", engine)
-                    if "ttft_s" in sim:
-                        engine_ttft = float(sim["ttft_s"])
-    assert first is not None
-    details = usage.get("prompt_tokens_details") or {}
-    return (engine, int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens", 0)),
-            first - started, engine_ttft)
 
 
 # --- strategies ----------------------------------------------------------------------------------

@@ -14,14 +14,21 @@ tokens per word; a "long" system prompt is 250-450 words (750-1,350 tokens, 47-8
   followed by a question (the key is the document's first 1,024 bytes).
 - `hotspot`: `chat`, but from the second third on, 80% of requests use one prompt (a launch, a
   viral assistant): keeping that prefix in one place and spreading load pull apart.
+
+`send` is the bench's client: one streamed request to a `Target` (an engine or a peer router),
+timed at the client and read back for the engine's own figures.
 """
 
 from __future__ import annotations
 
+import json
 import random
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import aiohttp
 
 from kv_listener.core.prefix import prefix_hash
 from kv_listener.router import request_prefix_key
@@ -150,3 +157,65 @@ def hotspot(seed: int, n: int) -> list[Req]:
 WORKLOADS: dict[str, Callable[[int, int], list[Req]]] = {
     "chat": chat, "multiturn": multiturn, "docqa": docqa, "hotspot": hotspot,
 }
+
+
+REQUEST_TIMEOUT_S = 120.0
+
+
+# --- the client ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Target:
+    """Where a request goes and in which form."""
+
+    url: str  # base URL (an engine, or a peer router)
+    form: str = "chat"  # "chat" (/v1/chat/completions) or "tokens" (/v1/completions, token IDs)
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+async def send(http: aiohttp.ClientSession, target: Target, req: Req,
+               tokens: Callable[[Req], list[int]]) -> tuple[str, int, int, float, float | None]:
+    """One streamed request: (engine, prompt tokens, cached tokens, client TTFT, engine TTFT)."""
+    if target.form == "tokens":
+        path = "/v1/completions"
+        body: dict[str, Any] = {"model": MODEL, "prompt": tokens(req),
+                                "max_tokens": req.output_tokens}
+    else:
+        path = "/v1/chat/completions"
+        body = dict(req.body)
+    body.update(stream=True, stream_options={"include_usage": True})
+    started = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, Any] = {}
+    engine = ""
+    engine_ttft: float | None = None
+    async with http.post(target.url + path, json=body, headers=target.headers,
+                         timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{path}: HTTP {resp.status}: {(await resp.text())[:200]}")
+        engine = resp.headers.get("x-engine-name", "")
+        buf = b""
+        async for chunk in resp.content.iter_any():
+            if first is None:
+                first = time.perf_counter()
+            buf += chunk
+            while b"\n\n" in buf:
+                block, buf = buf.split(b"\n\n", 1)
+                for line in block.split(b"\n"):
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        continue
+                    obj = json.loads(data)
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    sim = obj.get("x_sim") or {}
+                    engine = sim.get("engine", engine)
+                    if "ttft_s" in sim:
+                        engine_ttft = float(sim["ttft_s"])
+    assert first is not None
+    details = usage.get("prompt_tokens_details") or {}
+    return (engine, int(usage.get("prompt_tokens", 0)), int(details.get("cached_tokens", 0)),
+            first - started, engine_ttft)
