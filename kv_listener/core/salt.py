@@ -17,6 +17,13 @@ from __future__ import annotations
 import hmac
 import re
 from hashlib import sha256
+from typing import Any
+
+_c_hmac_new: Any
+try:  # CPython's OpenSSL HMAC: an object whose copy() runs in C (hmac.HMAC.copy is Python code)
+    from _hashlib import hmac_new as _c_hmac_new
+except ImportError:  # pragma: no cover - a CPython built without OpenSSL
+    _c_hmac_new = None
 
 SALT_PREFIX = "crs1:"
 _MAC_DOMAIN = b"crs1"
@@ -24,6 +31,7 @@ KEY_BYTES = 32
 _MAC_BYTES = 16
 #: "crs1:" + 64 hex + ":" + 32 hex
 SALT_LENGTH = len(SALT_PREFIX) + 2 * KEY_BYTES + 1 + 2 * _MAC_BYTES
+_KEY_END = len(SALT_PREFIX) + 2 * KEY_BYTES  # index of the ":" before the MAC
 
 
 def _mac(secret: bytes, backend: str, key: bytes) -> bytes:
@@ -54,16 +62,18 @@ def verify_cache_salt(secret: bytes, backend: str, salt: str) -> bytes | None:
 
 class SaltVerifier:
     """`verify_cache_salt` bound to one secret and backend, for the hot path: the HMAC state of
-    the fixed message head is computed once and copied per salt (1.5 us instead of 2.4 us for a
-    fresh HMAC), and the last `cache_size` distinct salts are remembered (every request of the
-    same prefix key carries the same salt, so a chat workload verifies each once). The cache is
-    bounded: when full it starts over."""
+    the fixed message head is computed once and copied per salt (OpenSSL's copy, in C), the
+    salt's form is checked without a regular expression (same verdicts as `_SALT_RE`, about a
+    third of the cost), and the last `cache_size` distinct salts are remembered (every request
+    of the same prefix key carries the same salt, so a chat workload verifies each once). The
+    cache is bounded: when full it starts over."""
 
     __slots__ = ("_base", "_cache", "_cache_size")
 
     def __init__(self, secret: bytes, backend: str, *, cache_size: int = 4096) -> None:
-        self._base = hmac.new(secret, _MAC_DOMAIN + b"\x00" + backend.encode("utf-8") + b"\x00",
-                              "sha256")
+        head = _MAC_DOMAIN + b"\x00" + backend.encode("utf-8") + b"\x00"
+        self._base: Any = (hmac.new(secret, head, sha256) if _c_hmac_new is None
+                           else _c_hmac_new(secret, head, "sha256"))
         self._cache: dict[str, bytes | None] = {}
         self._cache_size = cache_size
 
@@ -81,15 +91,22 @@ class SaltVerifier:
         return key
 
     def _verify(self, salt: str) -> bytes | None:
-        if len(salt) != SALT_LENGTH:
+        # What `_SALT_RE.fullmatch` accepts, checked piecewise: ASCII (compare_digest refuses
+        # other text), the exact length, prefix and separator; a key part of 64 hex digits that
+        # are all lowercase (fromhex also takes uppercase and skips whitespace: its bytes must
+        # give the same text back); a MAC part equal to the lowercase hex of the MAC.
+        if (len(salt) != SALT_LENGTH or not salt.isascii() or not salt.startswith(SALT_PREFIX)
+                or salt[_KEY_END] != ":"):
             return None
-        m = _SALT_RE.fullmatch(salt)
-        if m is None:
+        key_hex = salt[len(SALT_PREFIX):_KEY_END]
+        try:
+            key = bytes.fromhex(key_hex)
+        except ValueError:
             return None
-        key_hex, mac_hex = m.groups()
-        key = bytes.fromhex(key_hex)
+        if key.hex() != key_hex:
+            return None
         mac = self._base.copy()
         mac.update(key)
-        if not hmac.compare_digest(mac.digest()[:_MAC_BYTES].hex(), mac_hex):
+        if not hmac.compare_digest(mac.digest()[:_MAC_BYTES].hex(), salt[_KEY_END + 1:]):
             return None
         return key
