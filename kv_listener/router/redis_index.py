@@ -13,7 +13,11 @@ is done so a newer event is never overwritten by an older copy), the fallback is
 gauge returns to 0, and state listeners are told (`add_state_listener`). What the copy cannot
 repair: removals that happened during the outage of entries Redis held from before it (Redis kept
 them); such entries live until their TTL unless the consumers resync their streams (a resync
-starts with `cache_cleared`, which the consumer manager can trigger from the state listener).
+starts with `cache_cleared`; the router does it from the state listener, `Router.
+_index_state_changed`). On a Redis Cluster the first error does not switch: transient failures
+are retried (writes) or answered without Redis (lookups) for `failover_wait_ms`, and only then the
+fallback takes over; an outage ridden out inside that window also tells the state listeners
+`False` ("on Redis"), since a failed-over master may have lost writes it had acknowledged.
 With `fallback_to_memory: false` writes raise `IndexUnavailableError` (the consumer counts a drop)
 and queries return no holder (the request falls back to the default strategy).
 
@@ -98,6 +102,7 @@ class RedisKvIndex(KvIndex):
                                       on_error=self._failed, cluster=cluster,
                                       failover_wait_s=failover_wait_s, address=address,
                                       clock=clock)
+        self.redis.on_recovered = self._outage_ridden_out
         self.offloading = self.redis.offloading
         self._fallback: InMemoryKvIndex | None = (
             InMemoryKvIndex(max_entries=max_entries, entry_ttl_seconds=entry_ttl_seconds,
@@ -120,6 +125,7 @@ class RedisKvIndex(KvIndex):
         self._listeners: list[Callable[[bool], None]] = []
         self._n = _Counters()
         self.redis_errors = 0
+        self.cluster_outages = 0  # cluster outages ridden out without the fallback
 
     @classmethod
     def from_config(
@@ -214,7 +220,8 @@ class RedisKvIndex(KvIndex):
         self.redis.paused = active
 
     def add_state_listener(self, callback: Callable[[bool], None]) -> None:
-        """`callback(fallback_active)` on every switch to and from the fallback."""
+        """`callback(fallback_active)` on every switch to and from the fallback, and
+        `callback(False)` when a cluster outage ended without it."""
         self._listeners.append(callback)
 
     async def wait_recovered(self) -> None:
@@ -248,6 +255,16 @@ class RedisKvIndex(KvIndex):
                     probe_interval_s=self.probe_interval_s, **fields)
         self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
         self._notify(True)
+
+    def _outage_ridden_out(self) -> None:
+        """A cluster outage ended inside the failover window: no fallback was needed, but a
+        failed-over master may have lost acknowledged writes, so the listeners hear "on Redis"
+        (the router resyncs its streams, as after a fallback). Not while the fallback is active
+        or its entries are being copied back: the recovery tells the listeners itself."""
+        if self._fallback_active or self._copying is not None:
+            return
+        self.cluster_outages += 1
+        self._notify(False)
 
     def _redis_failed(self, exc: Exception, op: str) -> None:
         """A failed call the caller waits on: counted; without the fallback the caller gets

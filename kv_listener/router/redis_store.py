@@ -45,6 +45,8 @@ from typing import Any, TypeVar
 
 import structlog
 from redis.exceptions import (
+    AskError,
+    ClusterDownError,
     ClusterError,
     RedisClusterException,
     RedisError,
@@ -83,8 +85,12 @@ log = structlog.get_logger(__name__)
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError, RedisClusterException)
 #: What a cluster shows while a slot moves or a master fails over: retried in the failover window.
 _CLUSTER_TRANSIENT: tuple[type[Exception], ...] = (
-    RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError,
+    RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, AskError,
     RedisClusterException)
+#: Of those, what may mean a master went away (with writes it had not replicated yet); a slot
+#: move (ASK, MOVED, TRYAGAIN) loses nothing.
+_NODE_LOST: tuple[type[Exception], ...] = (
+    RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError, RedisClusterException)
 _WATCH_RETRIES = 8
 _BATCH = 256
 
@@ -159,9 +165,12 @@ class RedisOnlyKvIndex(KvIndex):
         self.offloading = offloading or StorageOffloadingConfig()
         self.address = address or redis_address(client)
         self.on_error = on_error
+        #: Called when an outage that looked like a lost master ended inside the window.
+        self.on_recovered: Callable[[], None] | None = None
         self.failover_wait_s = failover_wait_s if cluster else 0.0
         self._clock = clock
         self._failing_since: float | None = None  # first failure of a cluster outage (its clock)
+        self._node_lost = False  # the current outage looked like a lost master, not a slot move
         self.transient_errors = 0  # cluster failures retried or ridden out (this process)
         self.expired = 0  # stale backend-set members pruned (this process)
         end = self._close.encode()
@@ -234,6 +243,7 @@ class RedisOnlyKvIndex(KvIndex):
         if self.failover_wait_s <= 0 or not isinstance(exc, _CLUSTER_TRANSIENT):
             return False
         now = self._clock()
+        self._node_lost = self._node_lost or isinstance(exc, _NODE_LOST)
         if self._failing_since is None:
             self._failing_since = now
             log.warning("kv_index_redis_cluster_retrying", address=self.address,
@@ -247,6 +257,12 @@ class RedisOnlyKvIndex(KvIndex):
                      outage_s=round(self._clock() - self._failing_since, 3),
                      transient_errors=self.transient_errors)
             self._failing_since = None
+            node_lost, self._node_lost = self._node_lost, False
+            if node_lost and self.on_recovered is not None:
+                # A master that failed over may have lost writes it acknowledged but had not
+                # replicated yet (Redis Cluster replicates asynchronously): the wrapper tells the
+                # consumers, which resync.
+                self.on_recovered()
 
     def _lookup_failed(self, exc: BaseException) -> None:
         if not self._ride_out(exc):
