@@ -88,7 +88,7 @@ def _assert_plain_start(lines: list[str], min_stages: int = len(STAGES)) -> None
 
 @pytest.mark.timeout(90)
 def test_headless_demo_routes_kv_aware_and_hits_the_cache() -> None:
-    proc = subprocess.run([*CMD, "--duration", "6", "--headless"], capture_output=True, text=True,
+    proc = subprocess.run([*CMD, "--duration", "3", "--headless"], capture_output=True, text=True,
                           timeout=80, env=_env(), check=False)
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr and "error" not in proc.stderr, proc.stderr
