@@ -15,7 +15,7 @@ import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kv_listener.core import decode
+from kv_listener.core import decode, model
 from kv_listener.core.decode import (
     DecodedBatch,
     DecodedTrtllm,
@@ -23,15 +23,6 @@ from kv_listener.core.decode import (
     DropReason,
     decode_trtllm_events,
     decode_zmq_payload,
-)
-from kv_listener.core.model import (
-    U64_MASK,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    BlockUpdated,
-    CacheCreated,
-    Engine,
 )
 
 FRAMES = Path(__file__).resolve().parent.parent / "fixtures" / "frames"
@@ -41,7 +32,7 @@ JSON_BODIES = [p.read_bytes() for p in sorted(FRAMES.glob("*.json"))
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-ENGINES = st.sampled_from(list(Engine))
+ENGINES = st.sampled_from(list(model.Engine))
 
 # --- value strategies ------------------------------------------------------------------------
 
@@ -97,22 +88,22 @@ def check_batch(d: DecodedBatch) -> None:
     assert isinstance(d.batch.ts, float)
     assert d.batch.dp_rank is None or type(d.batch.dp_rank) is int
     for ev in d.batch.events:
-        if isinstance(ev, BlockStored):
-            assert all(type(h) is int and 0 <= h <= U64_MASK for h in ev.block_hashes)
-            assert ev.parent_hash is None or 0 <= ev.parent_hash <= U64_MASK
+        if isinstance(ev, model.BlockStored):
+            assert all(type(h) is int and 0 <= h <= model.U64_MASK for h in ev.block_hashes)
+            assert ev.parent_hash is None or 0 <= ev.parent_hash <= model.U64_MASK
             assert ev.token_ids.typecode == "I" and ev.block_size >= 0
             for v in (ev.medium, ev.lora_name, ev.cache_salt, ev.kv_cache_spec_kind):
                 assert v is None or type(v) is str
             assert ev.extra_keys is None or isinstance(ev.extra_keys, tuple)
             hash(ev.extra_keys)  # nested lists became tuples
-        elif isinstance(ev, BlockRemoved):
-            assert all(type(h) is int and 0 <= h <= U64_MASK for h in ev.block_hashes)
+        elif isinstance(ev, model.BlockRemoved):
+            assert all(type(h) is int and 0 <= h <= model.U64_MASK for h in ev.block_hashes)
             assert ev.medium is None or type(ev.medium) is str
         else:
-            assert isinstance(ev, AllBlocksCleared)
+            assert isinstance(ev, model.AllBlocksCleared)
 
 
-def decode_zmq_or_error(engine: Engine, payload: bytes) -> None:
+def decode_zmq_or_error(engine: model.Engine, payload: bytes) -> None:
     try:
         decoded = decode_zmq_payload(engine, payload)
     except DecodeError as exc:
@@ -127,10 +118,11 @@ def check_trtllm(d: DecodedTrtllm) -> None:
     for rec in d.records:
         assert type(rec.event_id) is int
         for ev in rec.events:
-            assert isinstance(ev, BlockStored | BlockRemoved | BlockUpdated | CacheCreated)
-            if isinstance(ev, BlockStored):
+            assert isinstance(ev, model.BlockStored | model.BlockRemoved | model.BlockUpdated
+                              | model.CacheCreated)
+            if isinstance(ev, model.BlockStored):
                 assert len(ev.block_hashes) == 1 and ev.block_size == len(ev.token_ids)
-                assert 0 <= ev.block_hashes[0] <= U64_MASK
+                assert 0 <= ev.block_hashes[0] <= model.U64_MASK
 
 
 def decode_trtllm_or_error(body: Any) -> None:
@@ -147,19 +139,19 @@ def decode_trtllm_or_error(body: Any) -> None:
 
 @FUZZ
 @given(ENGINES, st.binary(max_size=300))
-def test_random_bytes(engine: Engine, payload: bytes) -> None:
+def test_random_bytes(engine: model.Engine, payload: bytes) -> None:
     decode_zmq_or_error(engine, payload)
 
 
 @FUZZ
 @given(ENGINES, batches)
-def test_random_msgpack_batches(engine: Engine, batch: Any) -> None:
+def test_random_msgpack_batches(engine: model.Engine, batch: Any) -> None:
     decode_zmq_or_error(engine, msgpack.packb(batch, use_bin_type=True))
 
 
 @FUZZ
 @given(ENGINES, st.lists(events, min_size=1, max_size=6))
-def test_plausible_events_in_a_good_envelope(engine: Engine, evs: list[Any]) -> None:
+def test_plausible_events_in_a_good_envelope(engine: model.Engine, evs: list[Any]) -> None:
     """A valid envelope never raises, whatever its events hold: bad events are only counted."""
     decoded = decode_zmq_payload(engine, msgpack.packb([1.5, evs, 0], use_bin_type=True))
     check_batch(decoded)
@@ -168,7 +160,7 @@ def test_plausible_events_in_a_good_envelope(engine: Engine, evs: list[Any]) -> 
 
 @FUZZ
 @given(ENGINES, st.sampled_from(range(len(MSGPACK_FRAMES))), st.data())
-def test_mutated_golden_frames(engine: Engine, index: int, data: st.DataObject) -> None:
+def test_mutated_golden_frames(engine: model.Engine, index: int, data: st.DataObject) -> None:
     frame = bytearray(MSGPACK_FRAMES[index])
     for _ in range(data.draw(st.integers(1, 4))):
         op = data.draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
@@ -191,7 +183,7 @@ def test_deeply_nested_extra_keys_are_dropped_not_raised() -> None:
     for _ in range(900):
         nested = [nested]
     ev = ["BlockStored", [1], None, [1], 1, None, "GPU", None, [nested]]
-    decoded = decode_zmq_payload(Engine.VLLM, msgpack.packb([1.0, [ev, ["AllBlocksCleared"]], 0]))
+    decoded = decode_zmq_payload(model.Engine.VLLM, msgpack.packb([1.0, [ev, ["AllBlocksCleared"]], 0]))
     check_batch(decoded)
     assert len(decoded.batch.events) >= 1  # the cleared event survives either way
 
