@@ -28,21 +28,8 @@ from functools import partial
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kv_listener.core import model
 from kv_listener.core.limits import Limits
-from kv_listener.core.model import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    Engine,
-    EventBatch,
-    KvEvent,
-    PrefixTransition,
-    ResolveOutcome,
-    ResolveRequest,
-    ResolveStatus,
-    Tier,
-    TransitionKind,
-)
 from kv_listener.core.prefix import prefix_key
 from kv_listener.core.salt import issue_cache_salt, verify_cache_salt
 from kv_listener.core.tracker import Tracker
@@ -62,16 +49,16 @@ def text_of(tokens: list[int]) -> str:
     return " ".join(map(str, tokens))
 
 
-def truth(tokens: tuple[int, ...]) -> tuple[ResolveStatus, bytes | None, int]:
+def truth(tokens: tuple[int, ...]) -> tuple[model.ResolveStatus, bytes | None, int]:
     """What the synthetic chat layout says about tokens root..n: status, key, determining length."""
     if not tokens or tokens[0] not in (SYS, USER):
-        return ResolveStatus.UNATTRIBUTED, None, 0
+        return model.ResolveStatus.UNATTRIBUTED, None, 0
     if END not in tokens:
-        return ResolveStatus.PENDING, None, 0
+        return model.ResolveStatus.PENDING, None, 0
     end = tokens.index(END)
     text = text_of(list(tokens[1:end]))
     k = prefix_key(MODEL, text, None) if tokens[0] == SYS else prefix_key(MODEL, None, text)
-    return ResolveStatus.RESOLVED, k, end + 1
+    return model.ResolveStatus.RESOLVED, k, end + 1
 
 
 def prompt(sys_idx: int | None, user: int, completion: bool, length: int) -> list[int]:
@@ -91,30 +78,30 @@ class Sim:
     held: dict[int, set[str]] = field(default_factory=dict)
     tokens_of: dict[int, tuple[int, ...]] = field(default_factory=dict)  # hash -> root..block
     salt_key: dict[int, bytes] = field(default_factory=dict)  # hash -> key of its chain's salt
-    live: dict[str, tuple[int, Tier]] = field(default_factory=dict)  # replayed transitions
-    outstanding: list[ResolveRequest] = field(default_factory=list)
+    live: dict[str, tuple[int, model.Tier]] = field(default_factory=dict)  # replayed transitions
+    outstanding: list[model.ResolveRequest] = field(default_factory=list)
     asked: set[int] = field(default_factory=set)  # heads with a request out (this generation)
 
-    def send(self, *events: KvEvent) -> None:
-        self.replay(self.tracker.apply(EventBatch(0.0, tuple(events))))
+    def send(self, *events: model.KvEvent) -> None:
+        self.replay(self.tracker.apply(model.EventBatch(0.0, tuple(events))))
 
-    def replay(self, out: list[PrefixTransition]) -> None:
+    def replay(self, out: list[model.PrefixTransition]) -> None:
         for t in out:
-            if t.kind is TransitionKind.CLEARED:
+            if t.kind is model.TransitionKind.CLEARED:
                 self.live.clear()
                 continue
             assert t.prefix_hash is not None
-            if t.kind is TransitionKind.EVICTED:
+            if t.kind is model.TransitionKind.EVICTED:
                 assert t.prefix_hash in self.live, "evicted a prefix that was not live"
                 del self.live[t.prefix_hash]
                 continue
             assert t.tier is not None
-            if t.kind is TransitionKind.CREATED:
+            if t.kind is model.TransitionKind.CREATED:
                 assert t.prefix_hash not in self.live, "created a prefix already live"
             else:
                 assert t.prefix_hash in self.live, f"{t.kind} for a prefix not live"
                 old = self.live[t.prefix_hash]
-                if t.kind is TransitionKind.TIER:
+                if t.kind is model.TransitionKind.TIER:
                     assert old[1] is not t.tier
                 else:
                     assert old[1] is t.tier and old[0] != t.token_count
@@ -189,9 +176,9 @@ def do_store(sim: Sim, op: tuple[object, ...]) -> None:
     extra = None
     if start == 0 and salt_key is not None:
         extra = ((salt_for(salt_key, salt == "forged"),),) + (None,) * (len(hs) - 1)
-    ev = BlockStored(tuple(hs[start:]), hs[start - 1] if start else None,
-                     array("I", toks[start * BS : len(hs) * BS]), BS, medium="GPU",
-                     extra_keys=extra)
+    ev = model.BlockStored(tuple(hs[start:]), hs[start - 1] if start else None,
+                           array("I", toks[start * BS : len(hs) * BS]), BS, medium="GPU",
+                           extra_keys=extra)
     for h in hs[start:]:
         sim.held.setdefault(h, set()).add("GPU")
     sim.send(ev)
@@ -215,11 +202,11 @@ def do_answer(sim: Sim, pick: int, hint: bool, fail: bool) -> None:
     req = sim.outstanding.pop(pick % len(sim.outstanding))
     sim.asked.discard(req.head)
     if fail:
-        outcome = ResolveOutcome(req.head, ResolveStatus.FAILED, reason="timeout")
+        outcome = model.ResolveOutcome(req.head, model.ResolveStatus.FAILED, reason="timeout")
         sim.replay(sim.tracker.on_resolved(outcome))
         return
     status, key, kt = truth(tuple(req.tokens))
-    outcome = ResolveOutcome(req.head, status, key=key)
+    outcome = model.ResolveOutcome(req.head, status, key=key)
     sim.replay(sim.tracker.on_resolved(outcome, key_tokens=kt if hint else None))
 
 
@@ -243,10 +230,10 @@ def check(sim: Sim, limits: Limits) -> None:
                 assert sim.salt_key[h] == k
             else:
                 status, key, _ = truth(real)
-                assert status is ResolveStatus.RESOLVED and key == k, "unsound attribution"
+                assert status is model.ResolveStatus.RESOLVED and key == k, "unsound attribution"
             n, gpu = ref.get(k.hex(), (0, False))
             ref[k.hex()] = (max(n, rec.chain_len), gpu or bool(rec.media & 1))
-    assert {p: (n, Tier.GPU_HOT if g else Tier.STORAGE_WARM) for p, (n, g) in ref.items()} == snap
+    assert {p: (n, model.Tier.GPU_HOT if g else model.Tier.STORAGE_WARM) for p, (n, g) in ref.items()} == snap
     held = sum(len(r.tokens) for r in records.values())
     chains = {id(r.state): r.state for r in records.values() if hasattr(r.state, "tokens")}
     held += sum(len(c.tokens) for c in chains.values() if c.tokens is not None)  # type: ignore[union-attr]
@@ -267,7 +254,7 @@ def check(sim: Sim, limits: Limits) -> None:
 def test_tracker_matches_the_reference(
     script: list[tuple[object, ...]], limits: Limits, salted: bool, arena_slack: int
 ) -> None:
-    t = Tracker(engine=Engine.VLLM, model=MODEL, limits=limits,
+    t = Tracker(engine=model.Engine.VLLM, model=MODEL, limits=limits,
                 salt_verifier=partial(verify_cache_salt, SECRET, BACKEND) if salted else None)
     t._arena_slack = arena_slack  # compact the token arena as often as that lets it
     sim = Sim(t)
@@ -286,13 +273,13 @@ def test_tracker_matches_the_reference(
                     media.discard(str(medium))
                 if not media:
                     del sim.held[h]
-                sim.send(BlockRemoved((h,), medium=None if medium is None else str(medium)))
+                sim.send(model.BlockRemoved((h,), medium=None if medium is None else str(medium)))
         elif kind == "offload":
             gpu = sorted(h for h, m in sim.held.items() if "GPU" in m)
             if gpu:
                 h = gpu[int(op[1]) % len(gpu)]  # type: ignore[call-overload]
                 sim.held[h].add("CPU")
-                sim.send(BlockStored((h,), None, array("I"), 0, medium="CPU"))
+                sim.send(model.BlockStored((h,), None, array("I"), 0, medium="CPU"))
         elif kind == "answer":
             do_answer(sim, int(op[1]), bool(op[2]), bool(op[3]))  # type: ignore[call-overload]
         elif kind == "take":
@@ -303,15 +290,15 @@ def test_tracker_matches_the_reference(
                 do_answer(sim, 0, bool(op[1]), False)
         else:
             sim.held.clear()  # answers still out may arrive later: they must be harmless
-            sim.send(AllBlocksCleared())
+            sim.send(model.AllBlocksCleared())
         check(sim, limits)
     # the engine evicts everything that is left: nothing may stay live
     do_take(sim)
     while sim.outstanding:
         do_answer(sim, 0, True, False)
         check(sim, limits)
-    sim.send(BlockRemoved(tuple(sorted(sim.held))))
-    sim.send(BlockRemoved(tuple(sorted(t.records()))))  # and whatever it never told us about
+    sim.send(model.BlockRemoved(tuple(sorted(sim.held))))
+    sim.send(model.BlockRemoved(tuple(sorted(t.records()))))  # and whatever it never told us about
     check(sim, limits)
     assert sim.live == {} and t.blocks_tracked == 0 and t.tokens_retained == 0
     assert t.pending == 0
