@@ -14,16 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kv_listener.config import SourceConfig
-from kv_listener.core.model import (
-    BlockRemoved,
-    BlockStored,
-    BlockUpdated,
-    CacheCreated,
-    ClearReason,
-    Engine,
-    SourceCleared,
-    SourceItem,
-)
+from kv_listener.core import model
 from kv_listener.sim.trtllm_server import SimTrtllmServer
 from kv_listener.sources.common import PublisherAllowList
 from kv_listener.sources.trtllm import (
@@ -39,15 +30,15 @@ from tests.support.queues import get, get_batch
 INTERVAL = 0.02
 
 
-def stored(h: int, parent: int | None = None) -> BlockStored:
-    return BlockStored(block_hashes=(h,), parent_hash=parent, token_ids=array("I", [1, 2]),
-                       block_size=2, medium="GPU")
+def stored(h: int, parent: int | None = None) -> model.BlockStored:
+    return model.BlockStored(block_hashes=(h,), parent_hash=parent, token_ids=array("I", [1, 2]),
+                             block_size=2, medium="GPU")
 
 
 def config(url: str, **overrides: Any) -> SourceConfig:
     base: dict[str, Any] = {
         "backend_name": "trt-1",
-        "engine": Engine.TRTLLM,
+        "engine": model.Engine.TRTLLM,
         "model": "m",
         "trtllm_endpoint": url,
         "poll_interval_s": INTERVAL,
@@ -59,7 +50,7 @@ def config(url: str, **overrides: Any) -> SourceConfig:
 
 @contextlib.asynccontextmanager
 async def polling(
-    sim: SimTrtllmServer, queue: asyncio.Queue[SourceItem], **kwargs: Any
+    sim: SimTrtllmServer, queue: asyncio.Queue[model.SourceItem], **kwargs: Any
 ) -> AsyncIterator[TrtllmSource]:
     async with await sim.serve() as server:
         source = TrtllmSource(config(server.url), queue, SourceStats(engine="trtllm"), **kwargs)
@@ -75,13 +66,13 @@ async def polling(
 
 async def test_polls_deliver_batches_and_duplicates_are_skipped() -> None:
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     sim.emit(stored(1), stored(2, 1), window_size=4096)  # one `stored` event, two blocks
-    sim.emit(BlockUpdated(2, "GPU", "HOST"), window_size=4096)
+    sim.emit(model.BlockUpdated(2, "GPU", "HOST"), window_size=4096)
     async with polling(sim, queue) as source:
         first = await get_batch(queue)
         assert first.seq is None and first.dp_rank is None
-        assert first.events == (stored(1), stored(2, 1), BlockUpdated(2, "GPU", "HOST"))
+        assert first.events == (stored(1), stored(2, 1), model.BlockUpdated(2, "GPU", "HOST"))
         assert sim.queued == 0  # drain-on-read
         assert source.is_ready()
         stats = source.stats
@@ -89,9 +80,9 @@ async def test_polls_deliver_batches_and_duplicates_are_skipped() -> None:
         # A replayed old record (id 1) and a new one (id 2).
         sim.emit_raw({"event_id": 1, "window_size": 4096,
                       "data": {"type": "removed", "block_hashes": [1]}})
-        sim.emit(BlockRemoved((2,)), window_size=4096)
+        sim.emit(model.BlockRemoved((2,)), window_size=4096)
         second = await get_batch(queue)
-    assert second.events == (BlockRemoved((2,)),)
+    assert second.events == (model.BlockRemoved((2,)),)
     assert stats.events_dropped == {"duplicate_event_id": 1}
     assert stats.events_received == 4
     assert stats.gaps == 0 and not stats.clears and not stats.poll_errors
@@ -99,7 +90,7 @@ async def test_polls_deliver_batches_and_duplicates_are_skipped() -> None:
 
 async def test_attention_dp_rank_becomes_the_batch_rank() -> None:
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     sim.emit(stored(1), dp_rank=0)
     sim.emit(stored(2), dp_rank=1)  # ids are per rank: both are 0
     async with polling(sim, queue) as source:
@@ -110,14 +101,14 @@ async def test_attention_dp_rank_becomes_the_batch_rank() -> None:
 
 async def test_event_id_gap_clears_then_applies() -> None:
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     sim.emit(stored(1))
     async with polling(sim, queue) as source:
         assert (await get_batch(queue)).events == (stored(1),)
         sim.lose(3)  # e.g. another poller drained them
         sim.emit(stored(5))
         cleared, batch = await get(queue), await get_batch(queue)
-    assert cleared == SourceCleared(ClearReason.GAP)
+    assert cleared == model.SourceCleared(model.ClearReason.GAP)
     assert batch.events == (stored(5),)
     assert source.stats.gaps == 1
     assert source.stats.clears == {"gap": 1}
@@ -125,38 +116,38 @@ async def test_event_id_gap_clears_then_applies() -> None:
 
 async def test_created_clears_and_restarts_id_tracking() -> None:
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-    sim.emit(CacheCreated((100, 0)))
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
+    sim.emit(model.CacheCreated((100, 0)))
     for h in range(1, 6):
         sim.emit(stored(h))
     async with polling(sim, queue) as source:
-        assert await get(queue) == SourceCleared(ClearReason.ENGINE_CLEARED)
+        assert await get(queue) == model.SourceCleared(model.ClearReason.ENGINE_CLEARED)
         assert len((await get_batch(queue)).events) == 6
         sim.restart()  # trtllm-serve restarted: ids start at 0 with a `created`
-        sim.emit(CacheCreated((100, 0)))
+        sim.emit(model.CacheCreated((100, 0)))
         sim.emit(stored(9))
         cleared, batch = await get(queue), await get_batch(queue)
-    assert cleared == SourceCleared(ClearReason.ENGINE_CLEARED)
-    assert batch.events == (CacheCreated((100, 0)), stored(9))
+    assert cleared == model.SourceCleared(model.ClearReason.ENGINE_CLEARED)
+    assert batch.events == (model.CacheCreated((100, 0)), stored(9))
     assert source.stats.clears == {"engine_cleared": 2}
     assert source.stats.gaps == 0 and not source.stats.events_dropped
 
 
 async def test_only_the_largest_attention_window_is_kept() -> None:
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-    sim.emit(CacheCreated((10,)), window_size=1024)
-    sim.emit(CacheCreated((10,)), window_size=32768)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
+    sim.emit(model.CacheCreated((10,)), window_size=1024)
+    sim.emit(model.CacheCreated((10,)), window_size=32768)
     sim.emit(stored(1), window_size=1024)
     sim.emit(stored(2), window_size=32768)
     async with polling(sim, queue) as source:
-        assert await get(queue) == SourceCleared(ClearReason.ENGINE_CLEARED)
+        assert await get(queue) == model.SourceCleared(model.ClearReason.ENGINE_CLEARED)
         batch = await get_batch(queue)
-        sim.emit(BlockRemoved((1,)), window_size=1024)
-        sim.emit(BlockRemoved((2,)), window_size=32768)
+        sim.emit(model.BlockRemoved((1,)), window_size=1024)
+        sim.emit(model.BlockRemoved((2,)), window_size=32768)
         later = await get_batch(queue)
-    assert batch.events == (CacheCreated((10,)), stored(2))
-    assert later.events == (BlockRemoved((2,)),)
+    assert batch.events == (model.CacheCreated((10,)), stored(2))
+    assert later.events == (model.BlockRemoved((2,)),)
     assert source.stats.events_dropped == {"window_not_max": 3}
 
 
@@ -164,7 +155,7 @@ async def test_redirect_is_refused_and_not_followed() -> None:
     target = SimTrtllmServer()
     target.emit(stored(666))
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     async with await target.serve() as elsewhere:
         sim.fail_next(307, headers={"Location": elsewhere.url})
         sim.emit(stored(1))
@@ -178,7 +169,7 @@ async def test_redirect_is_refused_and_not_followed() -> None:
 
 async def test_errors_back_off_exponentially_are_counted_and_recover() -> None:
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     sim.fail_next(500, b"internal error", times=2)
     sim.fail_next(200, b"<html>not json</html>")
     sim.fail_next(200, b'{"event_id": 1}')  # JSON, not a list
@@ -218,7 +209,7 @@ def test_the_poll_backoff_is_the_shared_backoff_from_twice_the_interval() -> Non
 
 async def test_timeout_is_counted_then_polling_recovers() -> None:
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     sim.stall_next(3.0)
     async with polling(sim, queue, request_timeout_s=0.2) as source:
         await source.wait_polls(1)
@@ -235,7 +226,7 @@ async def test_connection_errors_are_counted_and_never_fatal() -> None:
     server = await sim.serve()
     url = server.url
     await server.close()  # nothing listens on that port any more
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     source = TrtllmSource(config(url), queue, SourceStats(engine="trtllm"))
     task = asyncio.create_task(source.run())
     try:
@@ -253,7 +244,7 @@ async def test_connection_errors_are_counted_and_never_fatal() -> None:
 
 async def test_oversized_body_is_refused() -> None:
     sim = SimTrtllmServer()
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     sim.fail_next(200, json.dumps([{"event_id": i} for i in range(200)]).encode())
     async with polling(sim, queue, max_body_bytes=1024) as source:
         await source.wait_polls(1)
@@ -263,19 +254,19 @@ async def test_oversized_body_is_refused() -> None:
 
 
 def test_url_host_must_be_an_allowed_publisher() -> None:
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(10)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(10)
     with pytest.raises(ValueError, match="not in allowed_publishers"):
         TrtllmSource(config("http://127.0.0.1:9/kv_cache_events", allowed_publishers=("10.0.0.0/8",)),
                      queue, SourceStats(engine="trtllm"))
     with pytest.raises(ValueError, match="for trtllm"):
-        TrtllmSource(config("http://127.0.0.1:9/x", engine=Engine.VLLM), queue,
+        TrtllmSource(config("http://127.0.0.1:9/x", engine=model.Engine.VLLM), queue,
                      SourceStats(engine="vllm"))
 
 
 async def test_host_name_url_is_checked_against_the_resolved_peer() -> None:
     sim = SimTrtllmServer()
     sim.emit(stored(3))
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(10)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(10)
     async with await sim.serve() as server:
         url = server.url.replace("127.0.0.1", "localhost")
         source = TrtllmSource(config(url, allowed_publishers=("localhost",)), queue,
@@ -323,7 +314,7 @@ async def test_a_refused_connection_is_logged_with_url_and_errno() -> None:
     from tests.conftest import free_port  # noqa: PLC0415
 
     port = free_port()  # nothing listens there
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     source = TrtllmSource(config(f"http://user:pw@127.0.0.1:{port}/kv_cache_events"), queue,
                           SourceStats(engine="trtllm"))
     with capture_logs() as logs:
