@@ -10,7 +10,12 @@
   1), and from 16 or 64 concurrent requests (workers each awaiting one `select()` at a time),
   where the Redis index batches the lookups of queries that wait behind a round trip in flight.
   Each concurrent figure is the median of 7 runs of 1,000 fresh prefixes (none prepared before),
-  with the lookup round trips they took.
+  with the lookup round trips they took;
+- the same index on a Redis Cluster (three masters and three replicas of redis-server on
+  127.0.0.1, tests/support/redis_cluster.py; skipped with --no-cluster): apply and query latency
+  p50/p99, writes/s from one consumer per backend writing at once, and the masters' memory per
+  (prefix, backend) entry (INFO used_memory before and after, replicas not counted), next to the
+  single server's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import tracemalloc
 from pathlib import Path
 
 import structlog
+from redis import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -37,6 +43,7 @@ from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import IndexEvent, InMemoryKvIndex, KvIndex, PrefixEventType
 from kv_listener.router.redis_index import RedisKvIndex
 from kv_listener.router.scorer import KvOverlapScorer
+from tests.support.redis_cluster import LocalRedisCluster
 from tests.support.redis_server import RedisServer
 
 CREATED = PrefixEventType.CACHE_CREATED
@@ -149,12 +156,59 @@ async def concurrent_selects(index: KvIndex, sample: list[str], backends: list[s
     return elapsed * 1e3, trips() - trips_before
 
 
+def used_memory(clients: list[object]) -> int:
+    return sum(int(c.info("memory")["used_memory"]) for c in clients)  # type: ignore[attr-defined]
+
+
+async def writes_per_s(index: KvIndex, evs: list[IndexEvent]) -> float:
+    """Records/s with one writer per backend (a router's consumers), each in order."""
+    by_backend: dict[str, list[IndexEvent]] = {}
+    for e in evs:
+        by_backend.setdefault(e.backend, []).append(e)
+
+    async def consume(mine: list[IndexEvent]) -> None:
+        for e in mine:
+            await index.apply(e)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(consume(m) for m in by_backend.values()))
+    return len(evs) / (time.perf_counter() - started)
+
+
+def memory_line(name: str, used: int, entries: int) -> str:
+    return (f"  memory: {used / entries:.0f} B per (prefix, backend) entry ({name}; "
+            f"{2**30 / (used / entries) / 1e6:.1f} M entries per GiB)")
+
+
+async def cluster_figures(evs: list[IndexEvent], keys: list[str], backends: list[str]) -> None:
+    with tempfile.TemporaryDirectory() as tmp, LocalRedisCluster(Path(tmp)) as cluster:
+        masters = [cluster.admin(m.node) for m in cluster.masters()]
+        before = used_memory(masters)
+        idx = RedisKvIndex.from_config(
+            RedisConfig(url=cluster.url, cluster=True, pool_size=8),
+            KvCacheIndexConfig(storage_offloading=StorageOffloadingConfig(enabled=True)))
+        try:
+            apply_c = await timed_apply(idx, evs)
+            used = used_memory(masters) - before
+            q_c = await timed_queries(idx, keys[:5000])
+            wps = await writes_per_s(idx, evs[:20000])
+            print(f"redis cluster index (3 masters + 3 replicas on 127.0.0.1, "
+                  f"{len(backends)} backends)")
+            print(f"  apply (SADD, then MULTI/EXEC on the prefix's slot): {fmt_us(apply_c)}")
+            print(f"  query (2x ZREVRANGEBYSCORE): {fmt_us(q_c)}")
+            print(f"  writes/s, one writer per backend at once: {wps:,.0f}")
+            print(memory_line("the masters' used_memory", used, len(evs)))
+        finally:
+            await idx.close()
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--prefixes", type=int, default=20000,
                     help="at least 1000: the scorer figures sample 1,000 of them (20000)")
     ap.add_argument("--backends", type=int, default=4)
     ap.add_argument("--queries", type=int, default=20000)
+    ap.add_argument("--no-cluster", action="store_true", help="skip the Redis Cluster figures")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     rng = random.Random(7)
@@ -192,11 +246,18 @@ async def main() -> None:
                 RedisConfig(url=server.url, pool_size=8),
                 KvCacheIndexConfig(storage_offloading=StorageOffloadingConfig(enabled=True)))
             try:
+                admin = Redis.from_url(server.url)
+                before = used_memory([admin])
                 apply_red = await timed_apply(red, evs)
+                used = used_memory([admin]) - before
+                admin.close()
                 q_red = await timed_queries(red, keys[:5000])
+                wps = await writes_per_s(red, evs[:20000])
                 print(f"redis index (redis-server on 127.0.0.1, {server.url})")
                 print(f"  apply (MULTI/EXEC): {fmt_us(apply_red)}")
                 print(f"  query (2x ZREVRANGEBYSCORE, one round trip): {fmt_us(q_red)}")
+                print(f"  writes/s, one writer per backend at once: {wps:,.0f}")
+                print(memory_line("used_memory", used, len(evs)))
                 print("scorer (seed bound: 1,000 scoring calls < 100 ms; aim 10 ms); concurrency N ="
                       " N requests in flight, each awaiting one select() at a time")
                 await scorer_figures("memory", mem, prefixes, backends, rng)
@@ -205,6 +266,8 @@ async def main() -> None:
                 await red.close()
         finally:
             server.stop()
+    if not args.no_cluster:
+        await cluster_figures(evs, keys, backends)
 
 
 if __name__ == "__main__":
