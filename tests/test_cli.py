@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -147,9 +149,19 @@ def test_run_with_invalid_config_exits_2_listing_errors(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def _start(config: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([*CMD, "--config", str(config)], stdout=subprocess.PIPE,
+@contextlib.contextmanager
+def _running(config: Path) -> Iterator[subprocess.Popen[str]]:
+    """The listener started on `config`; killed, reaped and its pipes closed however the test ends."""
+    proc = subprocess.Popen([*CMD, "--config", str(config)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        for s in (proc.stdout, proc.stderr):
+            assert s is not None
+            s.close()
 
 
 def _read_event(proc: subprocess.Popen[str], name: str) -> dict[str, object]:
@@ -173,26 +185,18 @@ def _minimal_config(tmp_path: Path, **extra: object) -> Path:
 
 @pytest.mark.timeout(30)
 def test_run_then_sigterm_exits_0(tmp_path: Path) -> None:
-    proc = _start(_minimal_config(tmp_path))
-    try:
+    with _running(_minimal_config(tmp_path)) as proc:
         started = _read_event(proc, "listener_started")
         assert started["level"] == "info"
         proc.send_signal(signal.SIGTERM)
         _read_event(proc, "listener_stopped")
         assert proc.wait(timeout=15) == 0
-    finally:
-        proc.kill()
-        proc.wait()
-        for s in (proc.stdout, proc.stderr):
-            assert s is not None
-            s.close()
 
 
 @pytest.mark.timeout(30)
 def test_sighup_with_invalid_file_keeps_running(tmp_path: Path) -> None:
     config = _minimal_config(tmp_path)
-    proc = _start(config)
-    try:
+    with _running(config) as proc:
         _read_event(proc, "listener_started")
         good = config.read_text()
         config.write_text("max_lag: nope\n")
@@ -205,9 +209,3 @@ def test_sighup_with_invalid_file_keeps_running(tmp_path: Path) -> None:
         _read_event(proc, "config_reloaded")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
-    finally:
-        proc.kill()
-        proc.wait()
-        for s in (proc.stdout, proc.stderr):
-            assert s is not None
-            s.close()
