@@ -1,0 +1,241 @@
+"""The writer lease (router/lease.py) against a real `redis-server` (and once against the local
+Redis Cluster): acquire, a second holder refused, renew, expiry and takeover, release by the
+holder only; the keeper's state table; keepers taking over from a dead writer, losing the lease
+to another holder, riding out a Redis outage for the lease's validity, giving the lease back when
+their gate closes (those tests, and the manager's, are still being finished)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from structlog.testing import capture_logs
+
+from kv_listener.router.lease import (
+    TRANSITIONS,
+    LeaseEvent,
+    LeaseKeeper,
+    LeaseState,
+    LeaseStateError,
+    WriterLease,
+    step,
+)
+from tests.support.redis_cluster import LocalRedisCluster, redis_cluster_fixture, slot_of
+from tests.support.redis_server import RedisServer
+
+B = "vllm-1"
+P1 = "1" * 64
+PREFIX = "cr:kvidx:"
+TIMEOUT_S = 10.0
+
+redis_cluster = redis_cluster_fixture()
+
+
+def lease_for(client: Any, holder: str, *, ttl_ms: int = 10_000,
+              renew_ms: int = 100) -> WriterLease:
+    return WriterLease(client, key_prefix=PREFIX, holder_id=holder, ttl_ms=ttl_ms,
+                       renew_interval_ms=renew_ms)
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    c = Redis.from_url(redis_server.url, decode_responses=True, socket_timeout=0.5,
+                       socket_connect_timeout=0.5)
+    yield c
+    await c.aclose()
+
+
+async def until(pred: Callable[[], bool], timeout_s: float = TIMEOUT_S, what: str = "") -> float:
+    """Wait (bounded) for a condition no event announces; returns the seconds it took."""
+    start = time.monotonic()
+    async with asyncio.timeout(timeout_s):
+        while not pred():
+            await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+async def expired(client: Redis, key: str) -> None:
+    """Await the key's expiry (the test server notifies `Ex` events): no sleeping for it."""
+    pubsub = client.pubsub()
+    await pubsub.subscribe("__keyevent@0__:expired")
+    try:
+        async with asyncio.timeout(TIMEOUT_S):
+            while await client.exists(key):
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+                if msg is not None and msg["data"] == key:
+                    break
+    finally:
+        await pubsub.aclose()
+
+
+# --- the lease in Redis --------------------------------------------------------------------------
+
+
+async def test_acquire_refuses_a_second_holder_renew_and_release_by_the_holder_only(
+    client: Redis,
+) -> None:
+    a, b = lease_for(client, "router-a"), lease_for(client, "router-b")
+    key = a.key(B)
+    assert key == "cr:kvidx:lease:vllm-1"
+    assert await a.holder(B) is None
+    assert (await a.acquire(B)).held
+    assert await client.get(key) == "router-a"
+    assert 9_000 < await client.pttl(key) <= 10_000
+    refused = await b.acquire(B)
+    assert (refused.held, refused.holder) == (False, "router-a")
+    assert (await b.renew(B)).held is False
+    assert await b.release(B) is False  # not b's to give back
+    assert await b.holder(B) == "router-a"
+    await client.pexpire(key, 2_000)
+    renewed = await a.renew(B)
+    assert (renewed.held, renewed.holder) == (True, "router-a")
+    assert await client.pttl(key) > 9_000
+    again = await a.acquire(B)  # the holder acquiring again: a renewal
+    assert (again.held, again.holder) == (True, "router-a")
+    assert await a.release(B) is True
+    assert await client.exists(key) == 0
+    assert (await b.acquire(B)).held
+    assert await a.holder(B) == "router-b"
+    other = lease_for(client, "router-a")  # backends are independent
+    assert (await other.acquire("vllm-2")).held
+    assert await client.get(other.key("vllm-2")) == "router-a"
+
+
+async def test_expired_lease_is_taken_over(client: Redis) -> None:
+    a, b = lease_for(client, "router-a", ttl_ms=300), lease_for(client, "router-b", ttl_ms=300)
+    assert (await a.acquire(B)).held
+    assert not (await b.acquire(B)).held
+    await expired(client, a.key(B))
+    assert (await b.acquire(B)).held
+    lost = await a.renew(B)  # the old holder finds the new one
+    assert (lost.held, lost.holder) == (False, "router-b")
+
+
+async def test_renewing_a_vanished_key_sets_it_again(client: Redis) -> None:
+    """A clear of the key prefix (or a Redis restarted empty) took the key: nobody else holds
+    it, the writer keeps it."""
+    a = lease_for(client, "router-a")
+    assert (await a.acquire(B)).held
+    await client.delete(a.key(B))
+    assert (await a.renew(B)).held
+    assert await client.get(a.key(B)) == "router-a"
+    assert await client.pttl(a.key(B)) > 9_000
+
+
+async def test_on_a_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
+    redis_cluster.flushall()
+    rc = RedisCluster.from_url(redis_cluster.url, decode_responses=True,
+                               **redis_cluster.client_kwargs())
+    try:
+        a, b = lease_for(rc, "router-a", ttl_ms=5_000), lease_for(rc, "router-b", ttl_ms=5_000)
+        backends = [f"vllm-{i}" for i in range(12)]
+        masters = {redis_cluster.master_of_slot(slot_of(a.key(n))).node.port for n in backends}
+        assert len(masters) == 3  # the leases live on every master
+        for name in backends:
+            assert (await a.acquire(name)).held
+            assert (await b.acquire(name)).holder == "router-a"
+            assert (await a.renew(name)).held
+            assert await b.release(name) is False
+            assert await a.release(name) is True
+            assert (await b.acquire(name)).held
+            assert await a.holder(name) == "router-b"
+    finally:
+        await rc.aclose()
+
+
+# --- the state table --------------------------------------------------------------------------
+
+
+def test_every_listed_transition_and_nothing_else() -> None:
+    assert step(LeaseState.STANDBY, LeaseEvent.ATTEMPT) is LeaseState.ACQUIRING
+    assert step(LeaseState.ACQUIRING, LeaseEvent.GRANTED) is LeaseState.WRITER
+    for lost in (LeaseEvent.TAKEN, LeaseEvent.EXPIRED, LeaseEvent.RELEASED):
+        assert step(LeaseState.WRITER, lost) is LeaseState.STANDBY
+    assert step(LeaseState.WRITER, LeaseEvent.RENEW_FAILED) is LeaseState.WRITER
+    for state in LeaseState:
+        for event in LeaseEvent:
+            if (state, event) in TRANSITIONS:
+                continue
+            with pytest.raises(LeaseStateError):
+                step(state, event)
+    # A standby never writes without asking first, a writer never "acquires" again.
+    assert (LeaseState.STANDBY, LeaseEvent.GRANTED) not in TRANSITIONS
+    assert (LeaseState.WRITER, LeaseEvent.GRANTED) not in TRANSITIONS
+
+
+# --- keepers -------------------------------------------------------------------------------------
+
+
+class Writes:
+    """The keeper's callbacks: whether this keeper's router writes now, and every change."""
+
+    def __init__(self) -> None:
+        self.writing = False
+        self.changes: asyncio.Queue[bool] = asyncio.Queue()
+
+    async def acquired(self) -> None:
+        self.writing = True
+        self.changes.put_nowait(True)
+
+    async def lost(self) -> None:
+        self.writing = False
+        self.changes.put_nowait(False)
+
+    async def next(self, timeout_s: float = TIMEOUT_S) -> bool:
+        return await asyncio.wait_for(self.changes.get(), timeout_s)
+
+
+_STARTED: list[LeaseKeeper] = []
+
+
+@pytest.fixture(autouse=True)
+async def _close_keepers() -> AsyncIterator[None]:
+    """A test that failed half way still stops its keepers (before its Redis stops)."""
+    yield
+    while _STARTED:
+        k = _STARTED.pop()
+        if k.task is not None:
+            k.task.cancel()
+            await asyncio.gather(k.task, return_exceptions=True)
+            k.task = None
+
+
+def keeper(lease: WriterLease, writes: Writes, **kwargs: Any) -> LeaseKeeper:
+    k = LeaseKeeper(lease, B, on_acquired=writes.acquired, on_lost=writes.lost, **kwargs)
+    k.start()
+    _STARTED.append(k)
+    return k
+
+
+async def test_one_writer_and_takeover_when_the_writer_dies(client: Redis) -> None:
+    wa, wb = Writes(), Writes()
+    with capture_logs() as logs:
+        ka = keeper(lease_for(client, "router-a", ttl_ms=600, renew_ms=150), wa)
+        assert await wa.next() is True
+        kb = keeper(lease_for(client, "router-b", ttl_ms=600, renew_ms=150), wb)
+        await until(lambda: kb.holder == "router-a")
+        assert kb.state is not LeaseState.WRITER and not wb.writing
+        assert ka.is_writer and not wb.writing
+        # a dies: no release, its key just stops being renewed
+        assert ka.task is not None
+        ka.task.cancel()
+        died = time.monotonic()
+        assert await wb.next() is True
+        took = time.monotonic() - died
+        assert kb.is_writer and kb.holder == "router-b"
+        assert await client.get("cr:kvidx:lease:vllm-1") == "router-b"
+        assert 0.3 < took < 0.6 + 0.15 + 0.5, took  # within ttl + renew interval (+ slack)
+        await kb.close("shutdown")
+        assert await wb.next() is False
+        assert await client.exists("cr:kvidx:lease:vllm-1") == 0
+    acquired = [r for r in logs if r["event"] == "kv_writer_lease_acquired"]
+    assert [(r["holder_id"], r["previous_holder"]) for r in acquired] == [
+        ("router-a", None), ("router-b", "router-a")]
+    assert all(r["backend"] == B for r in acquired)
+    released = [r for r in logs if r["event"] == "kv_writer_lease_released"]
+    assert [(r["holder_id"], r["reason"]) for r in released] == [("router-b", "shutdown")]
