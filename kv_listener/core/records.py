@@ -162,7 +162,7 @@ def _plain_data(record: Record) -> str | None:
     `json.dumps(record_data(record))`, written directly; None when a field is not of the plain
     kind this relies on (then the caller uses `json.dumps`). Nothing here needs JSON escaping:
     a prefix hash of ASCII letters and digits, the backend name quoted by `json.dumps` once
-    (`_head`), enum values, an int, and a finite float, whose JSON form is its `repr`."""
+    (`data_head`), enum values, an int, and a finite float, whose JSON form is its `repr`."""
     ts = record.ts
     if type(ts) is not float:
         return None  # an int, or none at all
@@ -170,7 +170,7 @@ def _plain_data(record: Record) -> str | None:
     if ts - ts != 0.0:
         return None  # inf or nan
     event = record.event
-    head = _head(event, record.backend)
+    head = data_head(event, record.backend)
     if event is RecordEvent.CACHE_CLEARED:
         return f'{head},"ts":{ts!r}}}'
     prefix = record.prefix_hash
@@ -185,8 +185,9 @@ def _plain_data(record: Record) -> str | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _head(event: RecordEvent, backend: str) -> str:
-    """`{"event":"...","backend":"..."` (a few backends per process)."""
+def data_head(event: RecordEvent, backend: str) -> str:
+    """`{"event":"...","backend":"..."`: how every record's data starts (a few backends per
+    process; `core.sse.encode_record_list` builds on it)."""
     return f'{{"event":"{event.value}","backend":{json.dumps(backend)}'
 
 

@@ -15,17 +15,25 @@ peer cannot get past: one line, and one event's data, at most 1 MiB each by defa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from kv_listener.core.records import ControlEvent, Record, control_data, encode_data, record_data
+from kv_listener.core.records import (
+    ControlEvent,
+    Record,
+    RecordEvent,
+    control_data,
+    data_head,
+    encode_data,
+    record_data,
+)
 
 # ControlEvent and record_data are re-exported: SSE users name them from here too.
 __all__ = [
     "MAX_DATA_BYTES", "MAX_LINE_BYTES", "PING", "ControlEvent", "SseError", "SseEvent",
-    "SseParser", "encode_comment", "encode_control", "encode_record", "encode_records",
-    "parse_sse", "record_data",
+    "SseParser", "encode_comment", "encode_control", "encode_record", "encode_record_list",
+    "encode_records", "parse_sse", "record_data",
 ]
 
 MAX_LINE_BYTES = 1 << 20
@@ -43,7 +51,52 @@ def encode_record(record: Record) -> bytes:
 
 
 def encode_records(records: Iterable[Record]) -> bytes:
-    return b"".join(encode_record(r) for r in records)
+    return b"".join(encode_record_list(list(records)))
+
+
+_CLEARED = RecordEvent.CACHE_CLEARED
+_CREATED = RecordEvent.CACHE_CREATED
+_OFFLOADED = RecordEvent.CACHE_OFFLOADED
+
+
+def encode_record_list(records: Sequence[Record]) -> list[bytes]:
+    """`[encode_record(r) for r in records]`, the same bytes, built faster for the records of
+    one publish (two per block on a busy engine): what they share is worked out once per list
+    (the `event:` line and the start of the data of each event type and backend, the text of
+    each `ts`, whose rounding and `repr` cost more than the rest of a record), and each numbered
+    record of the plain kind `core.records` writes directly is one f-string. Any other record
+    goes through `encode_record`."""
+    out: list[bytes] = []
+    heads: dict[tuple[RecordEvent, str], str] = {}
+    tails: dict[float, str | None] = {}
+    for r in records:
+        rid, ts = r.id, r.ts
+        event = r.event
+        if rid is None or type(ts) is not float or type(event) is not RecordEvent:
+            out.append(encode_record(r))
+            continue
+        tail = tails.get(ts, "")
+        if tail == "":
+            rounded = round(ts, 3)
+            # inf and nan are not JSON numbers: json.dumps' path (encode_record) writes them
+            tail = tails[ts] = None if rounded - rounded != 0.0 else f',"ts":{rounded!r}}}\n\n'
+        head = heads.get((event, r.backend))
+        if head is None:
+            head = heads[(event, r.backend)] = f"\nevent: {event}\ndata: {data_head(event, r.backend)}"
+        if tail is None:
+            out.append(encode_record(r))
+        elif event is _CLEARED:
+            out.append(f"id: {rid}{head}{tail}".encode())
+        elif (prefix := r.prefix_hash) is None or not (prefix.isascii() and prefix.isalnum()):
+            out.append(encode_record(r))
+        elif event is not _CREATED and event is not _OFFLOADED:
+            out.append(f'id: {rid}{head},"prefix_hash":"{prefix}"{tail}'.encode())
+        elif type(count := r.token_count) is not int or (tier := r.tier) is None:
+            out.append(encode_record(r))
+        else:
+            out.append(f'id: {rid}{head},"prefix_hash":"{prefix}","token_count":{count},'
+                       f'"tier":"{tier}"{tail}'.encode())
+    return out
 
 
 def encode_control(event: ControlEvent, backend: str) -> bytes:

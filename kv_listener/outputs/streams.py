@@ -27,7 +27,8 @@ import structlog
 
 from kv_listener.core.eventlog import EventLog, Record, Replay, ResyncReason
 from kv_listener.core.model import PrefixTransition
-from kv_listener.core.sse import PING, ControlEvent, encode_control, encode_record
+from kv_listener.core.records import RecordEvent
+from kv_listener.core.sse import PING, ControlEvent, encode_control, encode_record_list
 from kv_listener.metrics import StreamView
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ DEFAULT_PING_INTERVAL_S = 15.0
 # Records joined into one chunk handed to the transport: fewer, larger writes for a consumer
 # that is catching up, without building one huge buffer for a 100k-record replay.
 _CHUNK_RECORDS = 512
+_LABELS = {e: e.value for e in RecordEvent}
 
 
 class StreamError(Exception):
@@ -115,11 +117,11 @@ class BackendStreams:
     def fan_out(self, records: list[Record]) -> None:
         if not records:
             return
-        for r in records:
-            self.counters.records[r.event.value] += 1
+        # label by a dict of the members: `.value` is a Python-level property per record
+        self.counters.records.update([_LABELS[r.event] for r in records])
         if not self.consumers:
             return  # nobody to encode for (a later consumer replays from the log)
-        encoded = [encode_record(r) for r in records]
+        encoded = encode_record_list(records)
         for c in self.consumers:
             if c.end is not None:
                 continue
@@ -176,7 +178,7 @@ class EventStream:
         if self._replay:
             replay = self._replay
             n = min(len(replay), _CHUNK_RECORDS)
-            return b"".join(encode_record(replay.popleft()) for _ in range(n))
+            return b"".join(encode_record_list([replay.popleft() for _ in range(n)]))
         c = self._consumer
         while True:
             if c.queue:
