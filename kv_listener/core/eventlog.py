@@ -168,21 +168,52 @@ class EventLog:
         Coalesced updates that fell due by `now` go first (they are older). Raises ValueError,
         before changing anything, when a transition is malformed.
         """
-        batch = list(transitions)
+        batch = transitions if type(transitions) is list else list(transitions)
         for t in batch:
-            _validate(t)
-        out = self.flush(now)
+            # _validate raises for none of these (two records per block: no call for them)
+            if t.prefix_hash is None or not (t.kind is _EVICTED or (
+                    t.token_count >= 0 and t.tier is not None)):
+                _validate(t)
+        out = self.flush(now) if self._due_heap else []
+        # CREATED and EVICTED, the bulk of a busy engine's records, inline (what _upsert and
+        # _evict do); the rest through the methods
+        live, pending, history = self._live, self._pending, self._history
+        head, backend = f"{self.epoch}-", self.backend
         for t in batch:
-            if t.kind is TransitionKind.CLEARED:
+            kind = t.kind
+            if kind is _CREATED:
+                prefix, count, tier = t.prefix_hash, t.token_count, t.tier or Tier.GPU_HOT
+                if pending:
+                    pending.pop(prefix, None)  # type: ignore[arg-type]
+                old = live.get(prefix)  # type: ignore[arg-type]
+                if old is not None and old[0] == count and old[1] is tier:
+                    continue
+                live[prefix] = (count, tier, now)  # type: ignore[index]
+                self._seq = seq = self._seq + 1
+                event = _CACHE_CREATED if tier is Tier.GPU_HOT else _CACHE_OFFLOADED  # upsert_event
+                rec = Record(f"{head}{seq}", event, backend, prefix, count, tier, now)
+                history.append(rec)
+                out.append(rec)
+                continue
+            if kind is _EVICTED:
+                prefix = t.prefix_hash
+                if pending:
+                    pending.pop(prefix, None)  # type: ignore[arg-type]
+                if live.pop(prefix, None) is None:  # type: ignore[arg-type]
+                    continue  # consumers never heard of it: nothing to take back
+                self._seq = seq = self._seq + 1
+                rec = Record(f"{head}{seq}", _CACHE_EVICTED, backend, prefix, None, None, now)
+                history.append(rec)
+                out.append(rec)
+                continue
+            if kind is TransitionKind.CLEARED:
                 self._clear(now, out)
                 continue
             prefix = t.prefix_hash
             assert prefix is not None  # checked by _validate
-            if t.kind is TransitionKind.EVICTED:
-                self._evict(prefix, now, out)
-            elif t.kind is TransitionKind.TOKEN_COUNT:
+            if kind is TransitionKind.TOKEN_COUNT:
                 self._update_count(prefix, t, now, out)
-            else:  # CREATED, TIER: at once
+            else:  # TIER: at once
                 self._upsert(prefix, t.token_count, t.tier or Tier.GPU_HOT, now, out)
         return out
 
@@ -283,6 +314,13 @@ class EventLog:
         records[-1] = Record(self.last_id, last.event, last.backend, last.prefix_hash,
                              last.token_count, last.tier, last.ts)
         return Replay(tuple(records), reason)
+
+
+_CREATED = TransitionKind.CREATED
+_EVICTED = TransitionKind.EVICTED
+_CACHE_EVICTED = RecordEvent.CACHE_EVICTED
+_CACHE_CREATED = RecordEvent.CACHE_CREATED
+_CACHE_OFFLOADED = RecordEvent.CACHE_OFFLOADED
 
 
 def _validate(t: PrefixTransition) -> None:
