@@ -210,7 +210,15 @@ class BlockTable:
                 touched[state] = (state.blocks > 0, state.max_len,
                                   Tier.GPU_HOT if state.gpu else Tier.STORAGE_WARM)
             self._state[r] = state
-            state.add(chain_len, bool(media & GPU_BIT))
+            if state.lengths is None and (not state.blocks or state.max_len == chain_len):
+                # KeyAggregate.add's common case (its first block, or one more of the same
+                # length), inline
+                state.blocks += 1
+                state.max_len = chain_len
+                if media & GPU_BIT:
+                    state.gpu += 1
+            else:
+                state.add(chain_len, bool(media & GPU_BIT))
             if tokens:
                 self._drop_tokens(r)
         elif type(state) is Chain:
@@ -305,7 +313,14 @@ class BlockTable:
             if st not in touched:
                 touched[st] = (st.blocks > 0, st.max_len,
                                Tier.GPU_HOT if st.gpu else Tier.STORAGE_WARM)
-            st.remove(self._clen[r], bool(self._media[r] & GPU_BIT))
+            if st.lengths is None:  # KeyAggregate.remove's case of one length, inline
+                st.blocks -= 1
+                if self._media[r] & GPU_BIT:
+                    st.gpu -= 1
+                if not st.blocks:
+                    st.max_len = 0
+            else:
+                st.remove(self._clen[r], bool(self._media[r] & GPU_BIT))
         elif type(st) is Chain:
             self._chain_lost_block(st, r)
         # unlink from the pruning order, give the slot back

@@ -341,8 +341,15 @@ class Tracker(ChainResolution):
                 prev = new_block(h, hash_[prev], clen[prev] + seglen, media, pst, None)
                 offset += seglen
                 continue
-            parent_len = 0 if prev == NO_SLOT else clen[prev]
-            state, reason, step = self._place(ev, prev, i, model, mismatch)
+            if prev == NO_SLOT:  # _place's first case, without the call
+                parent_len = 0
+                if i == 0 and parent_hash is None:
+                    state, reason, step = self._root_state(ev, model, mismatch)
+                else:
+                    state, reason, step = None, UnattributedReason.ORPHAN, None
+            else:
+                parent_len = clen[prev]
+                state, reason, step = self._place(ev, prev, i, model, mismatch)
             if type(state) is Chain:
                 keep = min(seglen, max(0, max_chain - parent_len))
                 if step is not None:
@@ -419,12 +426,21 @@ class Tracker(ChainResolution):
         self, ev: BlockStored, model: str, mismatch: bool
     ) -> tuple[State, UnattributedReason | None, int | None]:
         """State of a new first block of a chain (no parent): the salt decides first."""
-        if self._verify is not None:
-            salt = self._salt_of(ev)
+        verify = self._verify
+        if verify is not None:
+            extra = ev.extra_keys
+            if (ev.cache_salt is None and extra and type(first := extra[0]) is tuple
+                    and len(first) == 1 and ev.lora_name is None and type(first[0]) is str
+                    and self._engine is Engine.VLLM):
+                # _salt_of's common case (a salted vLLM root: its salt alone), without the calls
+                salt: str | None = first[0] if first[0].startswith(SALT_PREFIX) else None
+            else:
+                salt = self._salt_of(ev)
             if salt is not None:
-                key = self._verify(salt)
+                key = verify(salt)
                 if isinstance(key, bytes) and len(key) == KEY_BYTES:
-                    return self._intern(key), None, None
+                    k = self._keys.get(key)
+                    return (self._intern(key) if k is None else k), None, None
                 self.salt_rejected += 1
                 self._notice(TrackerNotice.SALT_REJECTED)
                 return None, UnattributedReason.SALT_REJECTED, None
