@@ -400,8 +400,8 @@ def test_writer_lease_defaults_and_settings() -> None:
     on = parse_router_config(lease_raw(enabled=True, ttl_ms=2000, holder_id="router-a")
                              ).kv_cache_index.writer_lease
     # The renewal defaults to a third of a shorter lease.
-    assert (on.enabled, on.ttl_s, on.renew_interval_ms, on.holder_id) == (
-        True, 2.0, 666, "router-a")
+    assert (on.enabled, on.ttl_ms, on.renew_interval_ms, on.holder_id) == (
+        True, 2000, 666, "router-a")
 
 
 @pytest.mark.parametrize(

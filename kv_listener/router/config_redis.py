@@ -67,14 +67,6 @@ class WriterLeaseConfig:
     renew_interval_ms: int = 3000  # at most ttl_ms / 2: a renewal may fail once and still be in time
     holder_id: str | None = None  # this router's name in the lease; None: host:pid:random
 
-    @property
-    def ttl_s(self) -> float:
-        return self.ttl_ms / 1000.0
-
-    @property
-    def renew_interval_s(self) -> float:
-        return self.renew_interval_ms / 1000.0
-
 
 def parse_redis(r: Reader, raw: Any) -> RedisConfig:
     p = "response_cache.redis"

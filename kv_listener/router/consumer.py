@@ -454,23 +454,24 @@ class _SourceGate:
                 await bus.wait_announced(self.name)
 
 
+async def _cancel_tasks(tasks: list[asyncio.Task[Any] | None]) -> None:
+    """Cancel the tasks that exist and wait until every one has ended."""
+    live = [t for t in tasks if t is not None]
+    for t in live:
+        t.cancel()
+    if live:
+        await asyncio.gather(*live, return_exceptions=True)
+
+
 async def _stop_keepers(keepers: list[LeaseKeeper]) -> None:
     """Stop the lease loops (no new lease taken); giving back what they hold is `close()`'s."""
-    tasks = [k.task for k in keepers if k.task is not None]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await _cancel_tasks([k.task for k in keepers])
     for k in keepers:
         k.task = None
 
 
 async def _cancel_all(runners: list[_SourceRunner]) -> None:
-    tasks = [r.task for r in runners if r.task is not None]
-    for t in tasks:
-        t.cancel()
-    if tasks:
-        await asyncio.gather(*tasks, return_exceptions=True)
+    await _cancel_tasks([r.task for r in runners])
     for r in runners:
         r.set_connected(False)
 
