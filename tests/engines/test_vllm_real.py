@@ -115,6 +115,8 @@ class Stack:
     slow: tuple[Daemon, StreamView] | None = None
     #: backend -> prefix hashes of requests really sent to it (or claimed by a salt it accepts)
     sent: dict[str, set[str]] = field(default_factory=lambda: {"vllm-1": set(), "vllm-2": set()})
+    #: backend -> keys remembered since the last `settle` (what it waits to see announced)
+    pending: dict[str, list[str]] = field(default_factory=lambda: {"vllm-1": [], "vllm-2": []})
 
     def engine(self, backend: str) -> VllmEngine:
         return self.engine_a if backend == "vllm-1" else self.engine_b
@@ -147,16 +149,23 @@ class Stack:
     def remember(self, backend: str, k: str) -> None:
         """`k` is the key of a request sent to `backend` (or claimed by a salt it accepts)."""
         self.sent[backend].add(k)
+        self.pending[backend].append(k)
         test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
         self.backend(backend).origin.setdefault(k, f"sent by {test}")
 
     async def settle(self, *names: str, marks: dict[str, int] | None = None,
                      holds: dict[str, list[str]] | None = None) -> None:
         """Converge, then check every `cache_created` since `marks` against the keys sent.
-        `holds`: keys each engine must have announced first. vLLM publishes a step's events
-        from its own thread, so the response can come back before they reach the tap; quiet
-        would then be judged on the state before the request (seen once in CI)."""
+        First each engine in `marks` must have announced the keys remembered for it since the
+        last settle, and each in `holds` the keys given. vLLM publishes a step's events from
+        its own thread, so the response can come back before they reach the tap; quiet would
+        then be judged on the state before the request (seen in CI: test_valid_cache_salt)."""
+        wait = {name: list(self.pending[name]) for name in (marks or {})}
         for name, keys in (holds or {}).items():
+            wait.setdefault(name, []).extend(keys)
+        for keys in self.pending.values():
+            keys.clear()
+        for name, keys in wait.items():
             await self.until_announced(name, keys)
         await converge(self.pairs(*names))
         for name, mark in (marks or {}).items():
