@@ -1,8 +1,8 @@
 """The writer lease (router/lease.py) against a real `redis-server` (and once against the local
 Redis Cluster): acquire, a second holder refused, renew, expiry and takeover, release by the
 holder only; the keeper's state table; keepers taking over from a dead writer, losing the lease
-to another holder, riding out a Redis outage for the lease's validity, giving the lease back when
-their gate closes (those tests, and the manager's, are still being finished)."""
+to another holder, and riding out a hung or stopped Redis for the lease's validity, never longer.
+What the consumer manager does with the lease: tests/test_consumer_lease.py."""
 
 from __future__ import annotations
 
@@ -239,3 +239,80 @@ async def test_one_writer_and_takeover_when_the_writer_dies(client: Redis) -> No
     assert all(r["backend"] == B for r in acquired)
     released = [r for r in logs if r["event"] == "kv_writer_lease_released"]
     assert [(r["holder_id"], r["reason"]) for r in released] == [("router-b", "shutdown")]
+
+
+KEY = f"{PREFIX}lease:{B}"
+
+
+async def test_a_writer_whose_lease_another_holder_took_stops_at_its_next_renewal(
+    client: Redis,
+) -> None:
+    """A failover that lost the key, or an operator, lets another router hold it: the writer
+    stops writing at its next renewal (not at the end of its ttl) and stays a standby while the
+    other holds it."""
+    w = Writes()
+    with capture_logs() as logs:
+        k = keeper(lease_for(client, "router-a", ttl_ms=5_000, renew_ms=100), w)
+        assert await w.next() is True
+        await client.set(KEY, "router-x", px=5_000)
+        taken = time.monotonic()
+        assert await w.next() is False
+        assert time.monotonic() - taken < 0.1 + 0.5  # one renew interval (+ slack), not the ttl
+        await until(lambda: k.holder == "router-x" and k.state is LeaseState.STANDBY)
+        await until(lambda: k.state is LeaseState.ACQUIRING)  # it goes on asking ...
+        await until(lambda: k.state is LeaseState.STANDBY)
+        assert not w.writing and await client.get(KEY) == "router-x"  # ... and is refused
+    lost = [r for r in logs if r["event"] == "kv_writer_lease_lost"]
+    assert [(r["reason"], r["holder"]) for r in lost] == [("taken", "router-x")]
+
+
+async def test_a_hung_redis_stops_the_writer_before_its_lease_can_expire_then_it_takes_it_again(
+    client: Redis, redis_server: RedisServer,
+) -> None:
+    """Redis stops answering (`CLIENT PAUSE`: connections stay open, commands hang): renewals
+    time out, the writer goes on writing for what is left of its lease's validity (never longer:
+    the key may expire in Redis at the ttl), stops, and takes the lease again once Redis answers.
+    Nothing hangs: every wait is bounded by the lease's own times."""
+    w = Writes()
+    admin = Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        with capture_logs() as logs:
+            k = keeper(lease_for(client, "router-a", ttl_ms=1_000, renew_ms=100), w)
+            assert await w.next() is True
+            await admin.execute_command("CLIENT", "PAUSE", 2_500, "ALL")
+            paused = time.monotonic()
+            assert await w.next(timeout_s=3.0) is False
+            stopped = time.monotonic() - paused
+            # The last good renewal was sent at most one renew interval before the pause.
+            assert 1.0 * 0.99 - 0.1 - 0.05 < stopped < 1.0, stopped
+            assert k.state is not LeaseState.WRITER
+            assert await w.next(timeout_s=5.0) is True  # Redis answers again: ours again
+            assert time.monotonic() - paused >= 2.4
+            assert await client.get(KEY) == "router-a"
+        lost = [r for r in logs if r["event"] == "kv_writer_lease_lost"]
+        assert [r["reason"] for r in lost] == ["expired"]
+        assert any(r["event"] == "kv_writer_lease_redis_error" and r["op"] == "renew"
+                   for r in logs)
+    finally:
+        await admin.aclose()
+
+
+async def test_a_stopped_redis_ends_the_lease_at_its_validity_and_an_empty_one_is_taken_again(
+    client: Redis, redis_server: RedisServer,
+) -> None:
+    """Connections refused (Redis stopped): the same as a hung one, with errors at once instead
+    of timeouts; the Redis that comes back empty has no key, so the lease is taken again."""
+    w = Writes()
+    with capture_logs() as logs:
+        keeper(lease_for(client, "router-a", ttl_ms=800, renew_ms=100), w)
+        assert await w.next() is True
+        await asyncio.to_thread(redis_server.stop)
+        stopped_at = time.monotonic()
+        assert await w.next(timeout_s=3.0) is False
+        assert 0.8 * 0.99 - 0.1 - 0.05 < time.monotonic() - stopped_at < 0.8, (
+            time.monotonic() - stopped_at)
+        await asyncio.to_thread(redis_server.start)
+        assert await w.next(timeout_s=5.0) is True
+        assert await client.get(KEY) == "router-a"
+    errors = [r for r in logs if r["event"] == "kv_writer_lease_redis_error"]
+    assert errors and len(errors) < 5, "an unchanged error is logged once, then throttled"
