@@ -163,6 +163,40 @@ async def test_the_fallback_makes_every_router_consume_then_the_lease_rule_retur
                 assert server.requests.empty()  # a's stream was never cut
 
 
+async def test_a_writer_whose_index_fell_back_hands_its_lease_to_a_router_that_can_write(
+    client: Redis,
+) -> None:
+    """The writer's index falls back to memory (its own Redis connection failed) while Redis
+    serves the others: it keeps consuming into its fallback, but gives the lease back and does
+    not contend until its index is Redis again, so another router keeps the shared index
+    right (seen with three routers and a cluster failover: the shared index went 30 s stale,
+    the fallback's probe interval)."""
+    applied_a, applied_b = Applied(), Applied()
+    scripts = [Conn([created(P1, "1-1"), HOLD]), Conn([created(P1), HOLD]),
+               Conn([created(P1), created(P3), HOLD])]
+    async with ScriptedServer(scripts) as server:
+        async with router(client, "router-a", server.url(), applied_a) as a:
+            assert await server.next_request() is None
+            await applied_a.take(1)
+            async with router(client, "router-b", server.url(), applied_b) as b:
+                await until(lambda: b.lease_status(B) == ("standby", "router-a"), "b standby")
+                with capture_logs() as logs:
+                    await a.consume_all(True)
+                    assert await server.next_request() is None  # a's fallback: a resync
+                    took = await until(lambda: role(b) == "writer", "b takes the lease over")
+                assert took < 5.0 / 2, f"{took:.2f} s: the ttl, not the release"
+                assert await server.next_request() is None  # b's stream: a resync
+                assert [r.prefix_hash for r in await applied_b.take(2)] == [P1, P3]
+                assert running(a) and role(a) == "standby"  # a still fills its fallback
+                assert any(r["event"] == "kv_writer_lease_released"
+                           and r["reason"] == "index_fallback" for r in logs)
+                await a.consume_all(False)
+                assert not running(a)
+                await until(lambda: a.lease_status(B) == ("standby", "router-b"),
+                            "a contends again and is refused")
+                assert role(b) == "writer" and await client.get(KEY) == "router-b"
+
+
 async def test_a_hung_redis_stops_the_writers_consumer_within_its_lease_and_it_resumes(
     client: Redis, redis_server: RedisServer,
 ) -> None:

@@ -43,7 +43,10 @@ lease back. An `event_bus` source contends only while a live session of this rou
 the backend (`announcer`, the event-bus server), so the writer is a router that can open the
 stream. `consume_all(True)` (the Redis index fell back to memory, which starts empty: a
 standby's would stay so) runs every source regardless of the lease, each from a resync;
-`consume_all(False)` returns to the lease rule. Without a lease nothing of this applies.
+`consume_all(False)` returns to the lease rule. While it consumes all, this router does not
+contend for any lease and a writer gives its leases back (reason `index_fallback`): it cannot
+write the shared index, so a router that can must (else the shared index stays stale until this
+router's next probe finds Redis again). Without a lease nothing of this applies.
 """
 
 from __future__ import annotations
@@ -181,6 +184,8 @@ class KvEventConsumerManager:
         self.announcer = announcer
         self._keepers: dict[str, LeaseKeeper] = {}
         self._consume_all = False
+        self._index_writable = asyncio.Event()  # not consuming all: the gates may open
+        self._index_writable.set()
         for cfg in sources:
             if cfg.backend_name in self._configs:
                 raise ValueError(f"duplicate event source {cfg.backend_name!r}")
@@ -337,6 +342,10 @@ class KvEventConsumerManager:
             return
         self._consume_all = active
         if active:
+            self._index_writable.clear()  # the keepers' gates close: writers give leases back
+        else:
+            self._index_writable.set()
+        if active:
             # The fallback starts empty: every source, the ones this router writes included,
             # fills it from a resync.
             await _cancel_all([self._runners.pop(n) for n in list(self._runners)])
@@ -431,24 +440,34 @@ class KvEventConsumerManager:
 
 
 class _SourceGate:
-    """A source's `WriterGate`: an event-bus source while a live session announces it (the
-    source's transport is read at each question: a reload may change it), any other always."""
+    """A source's `WriterGate`: closed while the manager consumes all (the index fell back to
+    memory: nothing this router consumes reaches the shared index); else an event-bus source
+    while a live session announces it (the source's transport is read at each question: a
+    reload may change it), any other always."""
 
     def __init__(self, manager: KvEventConsumerManager, name: str) -> None:
         self.manager = manager
         self.name = name
 
     def eligible(self) -> bool:
+        return self.closed_reason() is None
+
+    def closed_reason(self) -> str | None:
+        if self.manager._consume_all:
+            return "index_fallback"
         cfg = self.manager._configs.get(self.name)
         if cfg is not None and cfg.transport is Transport.EVENT_BUS:
             bus = self.manager.announcer
-            return bus is not None and self.name in bus.announced_backends()
-        return True
+            if bus is None or self.name not in bus.announced_backends():
+                return "no_session"
+        return None
 
     async def wait_eligible(self) -> None:
-        while not self.eligible():
+        while (reason := self.closed_reason()) is not None:
             bus = self.manager.announcer
-            if bus is None:  # an event-bus source without a bus is never read: never contend
+            if reason == "index_fallback":
+                await self.manager._index_writable.wait()
+            elif bus is None:  # an event-bus source without a bus is never read: never contend
                 await asyncio.Event().wait()
             else:
                 await bus.wait_announced(self.name)

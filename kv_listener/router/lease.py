@@ -29,11 +29,14 @@ router that holds a listener session announcing it, so a router contends for tha
 lease only while one of its live sessions announces it (`gate.wait_eligible()`, the event bus's
 `wait_announced`), and a writer whose session goes away gives the lease back at once (checked
 every `GATE_POLL_S`), so that the router the listener reconnected to takes over without waiting
-for the ttl. The writer is therefore always a router that can open the stream.
+for the ttl. The writer is therefore always a router that can open the stream. The same gate
+closes while the router's index is in its in-memory fallback (`index_fallback`): such a router
+cannot write the shared index, so it neither contends nor keeps a lease.
 
 Logs (`backend`, `holder_id`, never a secret): `kv_writer_lease_acquired` (`previous_holder`
 when one was seen), `kv_writer_lease_lost` (`reason` taken | expired, `holder` when known),
-`kv_writer_lease_released` (`reason`), and, throttled, `kv_writer_lease_redis_error`.
+`kv_writer_lease_released` (`reason` shutdown | source_removed | no_session | index_fallback),
+and, throttled, `kv_writer_lease_redis_error`.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ from kv_listener.router.redis_store import REDIS_ERRORS
 
 log = structlog.get_logger(__name__)
 
-#: How often a writer whose backend is gated (event bus) checks that a session still announces it.
+#: How often a writer checks its gate (a session still announces the backend, the index is not in
+#: its fallback).
 GATE_POLL_S = 0.1
 #: The part of the ttl a writer does not rely on (clock drift between it and Redis), plus 2 ms
 #: (the round trip's own share), as Redlock reckons it.
@@ -202,6 +206,10 @@ class WriterGate(Protocol):
 
     def eligible(self) -> bool: ...
 
+    def closed_reason(self) -> str | None:
+        """Why the gate is closed (logged as the release's `reason`); None: it is open."""
+        ...
+
     async def wait_eligible(self) -> None: ...
 
 
@@ -210,6 +218,9 @@ class AlwaysEligible:
 
     def eligible(self) -> bool:
         return True
+
+    def closed_reason(self) -> str | None:
+        return None
 
     async def wait_eligible(self) -> None:
         return None
@@ -309,8 +320,8 @@ class LeaseKeeper:
             return
         wake = min(self._next_renew, valid_until)
         if wake > now:
-            if await self._ineligible_within(wake - now):
-                await self.release("no_session")
+            if (closed := await self._closed_within(wake - now)) is not None:
+                await self.release(closed)
             return
         try:
             result = await asyncio.wait_for(self.lease.renew(self.backend), valid_until - now)
@@ -329,17 +340,17 @@ class LeaseKeeper:
         self.log.warning("kv_writer_lease_lost", reason="taken", holder=result.holder)
         await self.on_lost()
 
-    async def _ineligible_within(self, delay_s: float) -> bool:
-        """Wait `delay_s`; True as soon as the gate closes meanwhile."""
+    async def _closed_within(self, delay_s: float) -> str | None:
+        """Wait `delay_s`; the gate's reason as soon as it closes meanwhile (None: it did not)."""
         if isinstance(self.gate, AlwaysEligible):
             await self.sleep(delay_s)
-            return False
+            return None
         deadline = self.monotonic() + delay_s
         while (left := deadline - self.monotonic()) > 0:
-            if not self.gate.eligible():
-                return True
+            if (reason := self.gate.closed_reason()) is not None:
+                return reason
             await self.sleep(min(GATE_POLL_S, left))
-        return not self.gate.eligible()
+        return self.gate.closed_reason()
 
     async def release(self, reason: str) -> None:
         """Stop writing, then delete the lease if it is ours. A no-op for a standby."""
