@@ -16,6 +16,11 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from structlog.testing import capture_logs
 
+from kv_listener.core.model import Tier
+from kv_listener.core.records import Record, RecordEvent
+from kv_listener.router.config import IndexBackend, KvCacheIndexConfig
+from kv_listener.router.config_redis import RedisConfig, WriterLeaseConfig
+from kv_listener.router.index import Holder
 from kv_listener.router.lease import (
     TRANSITIONS,
     LeaseEvent,
@@ -25,6 +30,7 @@ from kv_listener.router.lease import (
     WriterLease,
     step,
 )
+from kv_listener.router.redis_index import RedisKvIndex
 from tests.support.redis_cluster import LocalRedisCluster, redis_cluster_fixture, slot_of
 from tests.support.redis_server import RedisServer
 
@@ -316,3 +322,32 @@ async def test_a_stopped_redis_ends_the_lease_at_its_validity_and_an_empty_one_i
         assert await client.get(KEY) == "router-a"
     errors = [r for r in logs if r["event"] == "kv_writer_lease_redis_error"]
     assert errors and len(errors) < 5, "an unchanged error is logged once, then throttled"
+
+
+async def test_with_the_lease_a_recovered_fallback_is_not_copied_into_redis(
+    redis_server: RedisServer, client: Redis,
+) -> None:
+    """A router in its fallback holds no lease (router.consumer); the writers kept Redis right.
+    Its fallback, filled from its own stream, may lag theirs: copied back, it would bring back
+    entries they had just removed, which nobody would remove again. So it is dropped."""
+    kv = KvCacheIndexConfig(backend=IndexBackend.REDIS,
+                            writer_lease=WriterLeaseConfig(enabled=True))
+    idx = RedisKvIndex.from_config(
+        RedisConfig(url=redis_server.url, connect_timeout_ms=500, command_timeout_ms=500), kv,
+        probe_interval_s=0.05)
+    try:
+        assert not idx.copy_on_recovery
+        await asyncio.to_thread(redis_server.stop)
+        # This router's stream, lagging: P1 still there (its writer has removed it since).
+        await idx.apply(Record(None, RecordEvent.CACHE_CREATED, B, P1, 64, Tier.GPU_HOT, 0.0))
+        assert idx.fallback_active
+        assert await idx.query(P1) == [Holder(B, 64, Tier.GPU_HOT)]
+        with capture_logs() as logs:
+            await asyncio.to_thread(redis_server.start)
+            await asyncio.wait_for(idx.wait_recovered(), TIMEOUT_S)
+        assert not idx.fallback_active
+        assert await client.exists(f"{PREFIX}{P1}") == 0 and await idx.query(P1) == []
+        recovered = [r for r in logs if r["event"] == "kv_index_redis_recovered"]
+        assert [r["copied_entries"] for r in recovered] == [0]
+    finally:
+        await idx.close()

@@ -14,10 +14,12 @@ gauge returns to 0, and state listeners are told (`add_state_listener`). What th
 repair: removals that happened during the outage of entries Redis held from before it (Redis kept
 them); such entries live until their TTL unless the consumers resync their streams (a resync
 starts with `cache_cleared`; the router does it from the state listener, `Router.
-_index_state_changed`). On a Redis Cluster the first error does not switch: transient failures
-are retried (writes) or answered without Redis (lookups) for `failover_wait_ms`, and only then the
-fallback takes over; an outage ridden out inside that window also tells the state listeners
-`False` ("on Redis"), since a failed-over master may have lost writes it had acknowledged.
+_index_state_changed`). With the writer lease nothing is copied back (`copy_on_recovery`):
+the writers on the other routers kept Redis right meanwhile. On a Redis Cluster the first error
+does not switch: transient failures are retried (writes) or answered without Redis (lookups) for
+`failover_wait_ms`, and only then the fallback takes over; an outage ridden out inside that window
+also tells the state listeners `False` ("on Redis"), since a failed-over master may have lost
+writes it had acknowledged.
 With `fallback_to_memory: false` writes raise `IndexUnavailableError` (the consumer counts a drop)
 and queries return no holder (the request falls back to the default strategy).
 
@@ -96,6 +98,7 @@ class RedisKvIndex(KvIndex):
         cluster: bool = False,
         failover_wait_s: float = 15.0,
         address: str | None = None,
+        copy_on_recovery: bool = True,
     ) -> None:
         self.redis = RedisOnlyKvIndex(client, key_prefix=key_prefix,
                                       entry_ttl_seconds=entry_ttl_seconds, offloading=offloading,
@@ -111,6 +114,11 @@ class RedisKvIndex(KvIndex):
         )
         self._metrics = metrics
         self.probe_interval_s = probe_interval_s
+        #: Copy the fallback's entries into Redis at recovery. Off with the writer lease: this
+        #: router held no lease meanwhile (router.consumer), the writers kept Redis right, and a
+        #: copy from a stream that lags theirs could bring back entries they had just removed,
+        #: with nobody to remove them again.
+        self.copy_on_recovery = copy_on_recovery
         self._clock = clock
         self.address = self.redis.address
         # Failure logs (issue 14, finding 9): where Redis is, why it failed, bounded in number.
@@ -177,6 +185,7 @@ class RedisKvIndex(KvIndex):
             metrics=metrics, probe_interval_s=probe_interval_s, clock=clock,
             log_repeat_interval_s=log_repeat_interval_s, cluster=redis_cfg.cluster,
             failover_wait_s=redis_cfg.failover_wait_ms / 1000,
+            copy_on_recovery=not kv_cfg.writer_lease.enabled,
             address=(f"cluster:{split.hostname}:{split.port or 6379}" if redis_cfg.cluster
                      else None),
         )
@@ -305,7 +314,7 @@ class RedisKvIndex(KvIndex):
         assert fallback is not None
         # Take the fallback's entries and switch back in one synchronous step, then hold
         # writes until the copy is in Redis, so no newer write lands before an older copy.
-        snapshot = fallback.entries()
+        snapshot = fallback.entries() if self.copy_on_recovery else []
         fallback.clear_now()
         self._fallback_active = False
         copying = self._copying = asyncio.Event()
