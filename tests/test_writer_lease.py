@@ -351,3 +351,24 @@ async def test_with_the_lease_a_recovered_fallback_is_not_copied_into_redis(
         assert [r["copied_entries"] for r in recovered] == [0]
     finally:
         await idx.close()
+
+
+async def test_clearing_the_index_keeps_the_leases(redis_server: RedisServer,
+                                                   client: Redis) -> None:
+    """`POST /admin/kv-index/clear` empties the index, not the leases: a live writer keeps its
+    backend (deleting the key would let a standby take it over, with a resync, for nothing)."""
+    lease = lease_for(client, "router-a")
+    assert (await lease.acquire(B)).held
+    idx = RedisKvIndex.from_config(
+        RedisConfig(url=redis_server.url, connect_timeout_ms=500, command_timeout_ms=500),
+        KvCacheIndexConfig(backend=IndexBackend.REDIS,
+                           writer_lease=WriterLeaseConfig(enabled=True)))
+    try:
+        await idx.apply(Record(None, RecordEvent.CACHE_CREATED, B, P1, 64, Tier.GPU_HOT, 0.0))
+        result = await idx.clear()
+        assert (result.entries_before_clear, result.cleared_entries) == (1, 1)
+        assert await idx.query(P1) == []
+        assert await client.get(KEY) == "router-a"
+        assert await client.keys(f"{PREFIX}*") == [KEY]
+    finally:
+        await idx.close()

@@ -532,10 +532,15 @@ class RedisOnlyKvIndex(KvIndex):
 
     async def clear(self) -> ClearResult:
         """Delete every key under the key prefix, which other routers sharing this Redis use too:
-        they lose their index as well (it refills from the event streams). Raises."""
+        they lose their index as well (it refills from the event streams). The writer leases
+        (`<key_prefix>lease:<backend>`, router.lease) stay: they are not index, and deleting
+        them would let a standby take a backend over from a live writer. Raises."""
         before = (await self.stats()).entries
         cleared = 0
-        async for batch in self._scan():
+        leases = self.key_prefix + "lease:"
+        async for found in self._scan():
+            if not (batch := [k for k in found if not k.startswith(leases)]):
+                continue
             zsets = [k for k in batch if (c := self._classify(k)) and c[0] != "backend"]
             # One server: one transaction per batch; a cluster's keys span slots: plain
             # pipelines, one DEL per key (redis-py's cluster `unlink` is a client-side fan-out
