@@ -335,17 +335,15 @@ class KvEventConsumerManager:
 
     async def consume_all(self, active: bool) -> None:
         """With the writer lease: `True` runs every source whatever the lease (the index is in its
-        in-memory fallback, which only this router's own streams fill), each from a resync;
-        `False` stops again the sources this router does not hold."""
+        in-memory fallback, which only this router's own streams fill), each from a resync,
+        and closes every lease gate (writers give their leases back, standbys stop contending);
+        `False` opens the gates and stops again the sources this router does not hold."""
         if self.lease is None or active == self._consume_all:
             self._consume_all = active
             return
         self._consume_all = active
         if active:
             self._index_writable.clear()  # the keepers' gates close: writers give leases back
-        else:
-            self._index_writable.set()
-        if active:
             # The fallback starts empty: every source, the ones this router writes included,
             # fills it from a resync.
             await _cancel_all([self._runners.pop(n) for n in list(self._runners)])
@@ -355,6 +353,7 @@ class KvEventConsumerManager:
                     self._spawn(name)
             log.info("kv_consumers_consume_all", reason="index_fallback", sources=len(self._runners))
             return
+        self._index_writable.set()
         stopping = [self._runners.pop(n) for n in list(self._runners) if not self._wants_runner(n)]
         await _cancel_all(stopping)
         log.info("kv_consumers_lease_rule", reason="index_recovered", stopped=len(stopping))
