@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from array import array
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import zmq
@@ -102,6 +102,34 @@ async def running(source: ZmqSource) -> AsyncIterator[asyncio.Task[None]]:
     assert not source.stats.ready
 
 
+class Connected(NamedTuple):
+    pub: SimPublisher
+    queue: asyncio.Queue[SourceItem]
+    stats: SourceStats
+    source: ZmqSource
+
+
+@contextlib.asynccontextmanager
+async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
+                    publisher: dict[str, Any] | None = None,
+                    **overrides: Any) -> AsyncIterator[Connected]:
+    """A publisher bound on a free port (with a replay endpoint if `replay`), a vLLM source
+    connected to it, ready and subscribed; the source is stopped (and not ready) when the block
+    ends."""
+    opts: dict[str, Any] = {"replay_endpoint": "tcp://127.0.0.1:0"} if replay else {}
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind", **opts, **(publisher or {})) as pub:
+        if replay:
+            overrides["replay_endpoint"] = pub.replay_endpoint
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect", **overrides),
+                           queue, stats, replay_timeout_s=replay_timeout_s)
+        async with running(source):
+            assert stats.ready
+            await pub.wait_for_subscriber()
+            yield Connected(pub, queue, stats, source)
+
+
 def hashes(batch: EventBatch) -> list[int]:
     return [h for e in batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
 
@@ -110,28 +138,22 @@ def hashes(batch: EventBatch) -> list[int]:
 
 
 async def test_connect_mode_delivers_batches_in_order_with_stats() -> None:
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
-        async with running(source):
-            assert stats.ready
-            await pub.wait_for_subscriber()
-            pub.publish(payload(11, 12))
-            pub.publish(encode_vllm_batch([BlockRemoved((11,), medium="GPU")], ts=2.0))
-            pub.publish(payload(13, version="0.22"))  # legacy array events, same source
-            b0, b1, b2 = (await get_batch(queue), await get_batch(queue), await get_batch(queue))
-        assert [b.seq for b in (b0, b1, b2)] == [0, 1, 2]
-        assert hashes(b0) == [11, 12]
-        assert b1.events == (BlockRemoved((11,), medium="GPU"),)
-        assert hashes(b2) == [13]
-        assert b0.dp_rank == 0
-        assert stats.batches_received == 3
-        assert stats.events_received == 4
-        assert stats.events_decoded == 4
-        assert stats.last_event_at is not None
-        assert stats.gaps == 0 and not stats.clears
-        assert queue.empty()
+    async with connected() as (pub, queue, stats, _):
+        pub.publish(payload(11, 12))
+        pub.publish(encode_vllm_batch([BlockRemoved((11,), medium="GPU")], ts=2.0))
+        pub.publish(payload(13, version="0.22"))  # legacy array events, same source
+        b0, b1, b2 = (await get_batch(queue), await get_batch(queue), await get_batch(queue))
+    assert [b.seq for b in (b0, b1, b2)] == [0, 1, 2]
+    assert hashes(b0) == [11, 12]
+    assert b1.events == (BlockRemoved((11,), medium="GPU"),)
+    assert hashes(b2) == [13]
+    assert b0.dp_rank == 0
+    assert stats.batches_received == 3
+    assert stats.events_received == 4
+    assert stats.events_decoded == 4
+    assert stats.last_event_at is not None
+    assert stats.gaps == 0 and not stats.clears
+    assert queue.empty()
 
 
 async def test_bind_mode_with_topic_filter_and_sglang() -> None:
@@ -210,38 +232,25 @@ async def test_gap_is_filled_by_replay_in_order(layout: str, mode: str) -> None:
 async def test_after_engine_down_the_stream_is_rebuilt_from_the_replay_buffer() -> None:
     # The liveness watch declared the engine down (a network cut: the engine kept running and
     # publishing); the source was cleared. What comes next is rebuilt from seq 0 by replay.
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind",
-                            replay_endpoint="tcp://127.0.0.1:0") as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode="connect",
-                     zmq_endpoint=pub.endpoint)
-        source = ZmqSource(cfg, queue, stats)
-        async with running(source):
-            await pub.wait_for_subscriber()
-            pub.publish(payload(100))
-            assert hashes(await get_batch(queue)) == [100]
-            source.expect_new_stream()
-            pub.publish(payload(101))  # seq 1: the batches from seq 0 are replayed first
-            got = [await get_batch(queue) for _ in range(2)]
-        assert [(b.seq, hashes(b)) for b in got] == [(0, [100]), (1, [101])]
-        assert pub.replay_requests == [0, 0]  # the start-up replay, then the rebuild
-        assert not stats.clears
+    async with connected(replay=True) as (pub, queue, stats, source):
+        pub.publish(payload(100))
+        assert hashes(await get_batch(queue)) == [100]
+        source.expect_new_stream()
+        pub.publish(payload(101))  # seq 1: the batches from seq 0 are replayed first
+        got = [await get_batch(queue) for _ in range(2)]
+    assert [(b.seq, hashes(b)) for b in got] == [(0, [100]), (1, [101])]
+    assert pub.replay_requests == [0, 0]  # the start-up replay, then the rebuild
+    assert not stats.clears
 
 
 async def test_gap_without_replay_clears_then_applies_the_revealing_batch() -> None:
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
-        async with running(source):
-            await pub.wait_for_subscriber()
-            pub.publish(payload(1))
-            pub.drop_next(2)
-            pub.publish(payload(2))
-            pub.publish(payload(3))
-            pub.publish(payload(4))
-            items = [await get(queue) for _ in range(3)]
+    async with connected() as (pub, queue, stats, _):
+        pub.publish(payload(1))
+        pub.drop_next(2)
+        pub.publish(payload(2))
+        pub.publish(payload(3))
+        pub.publish(payload(4))
+        items = [await get(queue) for _ in range(3)]
     assert isinstance(items[0], EventBatch) and items[0].seq == 0
     assert items[1] == SourceCleared(ClearReason.GAP)
     assert isinstance(items[2], EventBatch) and items[2].seq == 3 and hashes(items[2]) == [4]
@@ -250,21 +259,14 @@ async def test_gap_without_replay_clears_then_applies_the_revealing_batch() -> N
 
 
 async def test_replay_that_starts_above_the_requested_seq_clears() -> None:
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind", replay_endpoint="tcp://127.0.0.1:0",
-                            buffer_steps=2) as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect",
-                                  replay_endpoint=pub.replay_endpoint), queue, stats)
-        async with running(source):
-            await pub.wait_for_subscriber()
-            pub.publish(payload(1))
-            pub.drop_next(3)
-            for h in (2, 3, 4):
-                pub.publish(payload(h))  # buffer keeps only the last 2: seqs 2, 3
-            pub.publish(payload(5))  # seq 4 reveals the gap 1..3
-            items = [await get(queue) for _ in range(3)]
-        assert pub.replay_requests == [0, 1]  # the start-up replay, then the gap
+    async with connected(replay=True, publisher={"buffer_steps": 2}) as (pub, queue, stats, _):
+        pub.publish(payload(1))
+        pub.drop_next(3)
+        for h in (2, 3, 4):
+            pub.publish(payload(h))  # buffer keeps only the last 2: seqs 2, 3
+        pub.publish(payload(5))  # seq 4 reveals the gap 1..3
+        items = [await get(queue) for _ in range(3)]
+    assert pub.replay_requests == [0, 1]  # the start-up replay, then the gap
     assert [type(i).__name__ for i in items] == ["EventBatch", "SourceCleared", "EventBatch"]
     assert items[1] == SourceCleared(ClearReason.GAP)
     assert isinstance(items[2], EventBatch) and hashes(items[2]) == [5]
@@ -272,52 +274,39 @@ async def test_replay_that_starts_above_the_requested_seq_clears() -> None:
 
 
 async def test_replay_timeout_clears_keeps_live_batches_and_recovers() -> None:
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind", replay_endpoint="tcp://127.0.0.1:0",
-                            replay_layout="no_topic") as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect",
-                                  replay_endpoint=pub.replay_endpoint), queue, stats,
-                           replay_timeout_s=0.5)
-        async with running(source):
-            await pub.wait_for_subscriber()
-            pub.replay_enabled = False  # a hung engine: requests are read, never answered
-            pub.publish(payload(1))
-            pub.drop_next(1)
-            pub.publish(payload(2))
-            pub.publish(payload(3))  # reveals the gap
-            pub.publish(payload(4))  # arrive while the replay waits: kept, applied after
-            pub.publish(payload(5))
-            items = [await get(queue) for _ in range(5)]
-            assert [type(i).__name__ for i in items] == [
-                "EventBatch", "SourceCleared", "EventBatch", "EventBatch", "EventBatch"]
-            assert [hashes(i) for i in items if isinstance(i, EventBatch)] == [[1], [3], [4], [5]]
-            assert stats.replay_failures == 1
-            # The abandoned DEALER was replaced: the next gap is replayed normally.
-            pub.replay_enabled = True
-            pub.drop_next(1)
-            pub.publish(payload(6))
-            pub.publish(payload(7))
-            after = [await get_batch(queue) for _ in range(2)]
-        assert [hashes(b) for b in after] == [[6], [7]]
-        assert pub.replay_requests == [0, 1, 5]  # the start-up replay, then the gaps
-        assert (stats.gaps, stats.replays, stats.replay_failures) == (2, 1, 1)
+    async with connected(replay=True, replay_timeout_s=0.5,
+                         publisher={"replay_layout": "no_topic"}) as (pub, queue, stats, _):
+        pub.replay_enabled = False  # a hung engine: requests are read, never answered
+        pub.publish(payload(1))
+        pub.drop_next(1)
+        pub.publish(payload(2))
+        pub.publish(payload(3))  # reveals the gap
+        pub.publish(payload(4))  # arrive while the replay waits: kept, applied after
+        pub.publish(payload(5))
+        items = [await get(queue) for _ in range(5)]
+        assert [type(i).__name__ for i in items] == [
+            "EventBatch", "SourceCleared", "EventBatch", "EventBatch", "EventBatch"]
+        assert [hashes(i) for i in items if isinstance(i, EventBatch)] == [[1], [3], [4], [5]]
+        assert stats.replay_failures == 1
+        # The abandoned DEALER was replaced: the next gap is replayed normally.
+        pub.replay_enabled = True
+        pub.drop_next(1)
+        pub.publish(payload(6))
+        pub.publish(payload(7))
+        after = [await get_batch(queue) for _ in range(2)]
+    assert [hashes(b) for b in after] == [[6], [7]]
+    assert pub.replay_requests == [0, 1, 5]  # the start-up replay, then the gaps
+    assert (stats.gaps, stats.replays, stats.replay_failures) == (2, 1, 1)
 
 
 async def test_engine_restart_clears_then_applies_the_new_batch() -> None:
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind", replay_endpoint="tcp://127.0.0.1:0") as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect",
-                                  replay_endpoint=pub.replay_endpoint), queue, stats)
-        async with running(source):
-            await pub.wait_for_subscriber()
-            for h in (1, 2, 3):
-                pub.publish(payload(h))
-            pub.restart()
-            pub.publish(payload(9))
-            pub.publish(payload(10))
-            items = [await get(queue) for _ in range(6)]
+    async with connected(replay=True) as (pub, queue, stats, _):
+        for h in (1, 2, 3):
+            pub.publish(payload(h))
+        pub.restart()
+        pub.publish(payload(9))
+        pub.publish(payload(10))
+        items = [await get(queue) for _ in range(6)]
     assert items[3] == SourceCleared(ClearReason.ENGINE_RESTART)
     batches = [i for i in items if isinstance(i, EventBatch)]
     assert [(b.seq, hashes(b)) for b in batches] == [(0, [1]), (1, [2]), (2, [3]), (0, [9]), (1, [10])]
@@ -329,20 +318,15 @@ async def test_engine_restart_clears_then_applies_the_new_batch() -> None:
 
 
 async def test_malformed_messages_are_counted_and_skipped() -> None:
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
-        async with running(source):
-            await pub.wait_for_subscriber()
-            pub.publish(payload(1))  # seq 0
-            pub.send_raw([b"", (1).to_bytes(8, "big")])  # 2 frames
-            pub.send_raw([b"", (1).to_bytes(8, "big"), b"x", b"y"])  # 4 frames
-            pub.send_raw([b"", b"\x00\x01", payload(7)])  # 2-byte seq
-            pub.publish(b"\xc1")  # seq 1: not msgpack
-            pub.publish(b"\x91\x01")  # seq 2: msgpack, not a batch
-            pub.publish(payload(2))  # seq 3: still in sequence
-            first, got = await get_batch(queue), await get_batch(queue)
+    async with connected() as (pub, queue, stats, _):
+        pub.publish(payload(1))  # seq 0
+        pub.send_raw([b"", (1).to_bytes(8, "big")])  # 2 frames
+        pub.send_raw([b"", (1).to_bytes(8, "big"), b"x", b"y"])  # 4 frames
+        pub.send_raw([b"", b"\x00\x01", payload(7)])  # 2-byte seq
+        pub.publish(b"\xc1")  # seq 1: not msgpack
+        pub.publish(b"\x91\x01")  # seq 2: msgpack, not a batch
+        pub.publish(payload(2))  # seq 3: still in sequence
+        first, got = await get_batch(queue), await get_batch(queue)
     assert (first.seq, hashes(first)) == (0, [1])
     assert (got.seq, hashes(got)) == (3, [2])
     assert stats.events_dropped == {
@@ -357,17 +341,12 @@ async def test_malformed_messages_are_counted_and_skipped() -> None:
 async def test_a_publisher_restarted_after_one_batch_clears_and_applies_its_batch() -> None:
     # A real vLLM that sent exactly one batch (seq 0), restarted and sent seq 0 again: the second
     # batch is the new engine's, not a duplicate (issue #10; PUB/SUB never duplicates).
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"), queue, stats)
-        async with running(source):
-            await pub.wait_for_subscriber()
-            pub.publish(payload(1))  # seq 0
-            pub.send_raw([b"", (0).to_bytes(8, "big"), payload(8)])  # the new engine's seq 0
-            first = await get_batch(queue)
-            cleared = await get(queue)
-            second = await get_batch(queue)
+    async with connected() as (pub, queue, stats, _):
+        pub.publish(payload(1))  # seq 0
+        pub.send_raw([b"", (0).to_bytes(8, "big"), payload(8)])  # the new engine's seq 0
+        first = await get_batch(queue)
+        cleared = await get(queue)
+        second = await get_batch(queue)
     assert (first.seq, hashes(first)) == (0, [1])
     assert cleared == SourceCleared(ClearReason.ENGINE_RESTART)
     assert (second.seq, hashes(second)) == (0, [8])
@@ -376,21 +355,15 @@ async def test_a_publisher_restarted_after_one_batch_clears_and_applies_its_batc
 
 async def test_a_message_over_max_message_bytes_is_dropped_and_counted() -> None:
     # issue #11, finding 3: one giant frame took RSS to 545 MiB while it was decoded
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect",
-                                  limits=Limits(max_message_bytes=4096)), queue, stats)
-        async with running(source):
-            await pub.wait_for_subscriber()
-            pub.publish(payload(1))  # seq 0
-            big = BlockStored(block_hashes=(2,), parent_hash=None,
-                              token_ids=array("I", [70000] * 1200), block_size=1200, medium="GPU")
-            big_payload = encode_vllm_batch([big], ts=1.0)
-            assert 4096 < len(big_payload) < 2 * 4096  # under the socket's cap
-            pub.publish(big_payload)  # seq 1
-            pub.publish(payload(3))  # seq 2
-            got = [await get_batch(queue), await get_batch(queue)]
+    async with connected(limits=Limits(max_message_bytes=4096)) as (pub, queue, stats, _):
+        pub.publish(payload(1))  # seq 0
+        big = BlockStored(block_hashes=(2,), parent_hash=None,
+                          token_ids=array("I", [70000] * 1200), block_size=1200, medium="GPU")
+        big_payload = encode_vllm_batch([big], ts=1.0)
+        assert 4096 < len(big_payload) < 2 * 4096  # under the socket's cap
+        pub.publish(big_payload)  # seq 1
+        pub.publish(payload(3))  # seq 2
+        got = [await get_batch(queue), await get_batch(queue)]
     assert [(b.seq, hashes(b)) for b in got] == [(0, [1]), (2, [3])]
     assert stats.events_dropped == {"message_too_large": 1}
     assert stats.gaps == 0
