@@ -130,7 +130,11 @@ class Rig:
         assert await _thread(self.tap.wait_subscriptions, 1), "listener never subscribed"
         view = StreamView(self.daemon.base, BACKEND)
         view.start(self.session)
-        await view.connected.wait()
+        try:
+            async with asyncio.timeout(15):
+                await view.connected.wait()
+        except TimeoutError:
+            raise AssertionError(f"GET /events/{BACKEND} did not answer within 15 s") from None
         view.check()
         self.view = view
         self.backend.views.append(view)

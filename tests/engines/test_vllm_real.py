@@ -261,8 +261,12 @@ async def start_listener(tmp: Path, config: dict[str, Any], session: aiohttp.Cli
             view = StreamView(daemon.base, name)
             view.start(session)
             views[name] = view
-            async with asyncio.timeout(15):
-                await view.connected.wait()
+            try:
+                async with asyncio.timeout(15):
+                    await view.connected.wait()
+            except TimeoutError:
+                raise AssertionError(f"{workdir_name}: GET /events/{name} did not answer "
+                                     "within 15 s") from None
             view.check()
         for name, n in subscribed.items():
             # The tap's XPUB sees this listener's SUB subscribe: events now reach it.
