@@ -29,7 +29,9 @@ import sys
 import tempfile
 import time
 import tracemalloc
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import structlog
 from redis import Redis
@@ -65,20 +67,15 @@ def events(prefixes: list[str], backends: list[str], rng: random.Random) -> list
             for ph in prefixes for b in backends if rng.random() < 0.75]
 
 
-async def timed_apply(index: KvIndex, evs: list[IndexEvent]) -> list[float]:
-    out = []
-    for e in evs:
-        t0 = time.perf_counter()
-        await index.apply(e)
-        out.append(time.perf_counter() - t0)
-    return out
+T = TypeVar("T")
 
 
-async def timed_queries(index: KvIndex, keys: list[str]) -> list[float]:
+async def timed(call: Callable[[T], Awaitable[object]], items: Sequence[T]) -> list[float]:
+    """Each call's own wall time, one item at a time (`index.apply` of events, `index.query`)."""
     out = []
-    for k in keys:
+    for item in items:
         t0 = time.perf_counter()
-        await index.query(k)
+        await call(item)
         out.append(time.perf_counter() - t0)
     return out
 
@@ -188,9 +185,9 @@ async def cluster_figures(evs: list[IndexEvent], keys: list[str], backends: list
             RedisConfig(url=cluster.url, cluster=True, pool_size=8),
             KvCacheIndexConfig(storage_offloading=StorageOffloadingConfig(enabled=True)))
         try:
-            apply_c = await timed_apply(idx, evs)
+            apply_c = await timed(idx.apply, evs)
             used = used_memory(masters) - before
-            q_c = await timed_queries(idx, keys[:5000])
+            q_c = await timed(idx.query, keys[:5000])
             wps = await writes_per_s(idx, evs[:20000])
             print(f"redis cluster index (3 masters + 3 replicas on 127.0.0.1, "
                   f"{len(backends)} backends)")
@@ -230,8 +227,8 @@ async def main() -> None:
         mem.apply_now(e)
     used = tracemalloc.get_traced_memory()[0] - before
     tracemalloc.stop()
-    apply_mem = await timed_apply(mem, evs[:20000])  # upserts of existing entries
-    q_mem = await timed_queries(mem, keys)
+    apply_mem = await timed(mem.apply, evs[:20000])  # upserts of existing entries
+    q_mem = await timed(mem.query, keys)
     print("memory index")
     print(f"  bytes per (prefix, backend) entry: {used / len(mem):.0f}")
     print(f"  apply: {fmt_us(apply_mem)}")
@@ -248,10 +245,10 @@ async def main() -> None:
             try:
                 admin = Redis.from_url(server.url)
                 before = used_memory([admin])
-                apply_red = await timed_apply(red, evs)
+                apply_red = await timed(red.apply, evs)
                 used = used_memory([admin]) - before
                 admin.close()
-                q_red = await timed_queries(red, keys[:5000])
+                q_red = await timed(red.query, keys[:5000])
                 wps = await writes_per_s(red, evs[:20000])
                 print(f"redis index (redis-server on 127.0.0.1, {server.url})")
                 print(f"  apply (MULTI/EXEC): {fmt_us(apply_red)}")

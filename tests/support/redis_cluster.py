@@ -41,7 +41,6 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal
 
 import pytest
@@ -52,6 +51,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from tests.conftest import free_port
+from tests.support.lifecycle import StartStop
 from tests.support.redis_server import RedisServer, TlsFiles
 from tests.support.tls import TlsMaterial
 
@@ -168,7 +168,7 @@ class _Crash:  # what a killed master served, to recognise its failover
     replicas: tuple[ClusterServer, ...]
 
 
-class LocalRedisCluster:
+class LocalRedisCluster(StartStop):
     def __init__(self, directory: Path, *, tls: bool = False, acl: bool = False, masters: int = 3,
                  replicas_per_master: int = 1, node_timeout_ms: int = NODE_TIMEOUT_MS) -> None:
         cli = shutil.which("redis-cli")
@@ -207,14 +207,6 @@ class LocalRedisCluster:
         self._admins.clear()
         for node in self.nodes:
             node.stop()
-
-    def __enter__(self) -> LocalRedisCluster:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
     def _create(self) -> None:
         args = [self.cli, *self._cli_options(), "--cluster", "create",

@@ -13,10 +13,10 @@ import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 from tests.conftest import free_port
+from tests.support.lifecycle import StartStop
 
 READY_LINE = "Ready to accept connections"
 START_TIMEOUT_S = 10.0
@@ -28,7 +28,7 @@ class TlsFiles:
     key: Path
 
 
-class RedisServer:
+class RedisServer(StartStop):
     def __init__(self, directory: Path, *, tls: TlsFiles | None = None) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
@@ -106,14 +106,6 @@ class RedisServer:
             proc.kill()
         _reap(proc, self._thread)
         self._thread = None
-
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.stop()
 
 
 def _reap(proc: subprocess.Popen[str], thread: threading.Thread | None) -> None:
