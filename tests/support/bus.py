@@ -51,9 +51,14 @@ class FailureLog:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait(self, failure: SecurityFailure, count: int = 1) -> None:
-        while self.seen.count(failure) < count:
-            await self._changed.wait()
+    async def wait(self, failure: SecurityFailure, count: int = 1, timeout_s: float = 10.0) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self.seen.count(failure) < count:
+                    await self._changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"{failure} counted {self.seen.count(failure)} times, not "
+                                 f"{count}, within {timeout_s} s") from None
 
 
 @asynccontextmanager

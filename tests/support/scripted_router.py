@@ -26,6 +26,9 @@ from tests.support.bus import listener_config
 from tests.support.tasks import running_task
 from tests.support.tls import TlsMaterial
 
+#: How long a scripted router waits for what the client under test must send.
+WAIT_S = 10.0
+
 
 class RouterConn:
     """One accepted connection of `ScriptedRouter`: a real h2 server state machine whose every
@@ -82,13 +85,21 @@ class RouterConn:
             with contextlib.suppress(OSError, ssl.SSLError):
                 await self.writer.wait_closed()
 
-    async def next(self, kind: type, stream_id: int | None = None) -> Any:
-        while True:
-            ev = await self.events.get()
-            if isinstance(ev, h2.events.ConnectionTerminated) and kind is not h2.events.ConnectionTerminated:
-                raise AssertionError(f"connection ended while waiting for {kind.__name__}")
-            if isinstance(ev, kind) and (stream_id is None or getattr(ev, "stream_id", None) == stream_id):
-                return ev
+    async def next(self, kind: type, stream_id: int | None = None,
+                   timeout_s: float = WAIT_S) -> Any:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    ev = await self.events.get()
+                    if isinstance(ev, h2.events.ConnectionTerminated) and \
+                            kind is not h2.events.ConnectionTerminated:
+                        raise AssertionError(f"connection ended while waiting for {kind.__name__}")
+                    if isinstance(ev, kind) and (stream_id is None
+                                                 or getattr(ev, "stream_id", None) == stream_id):
+                        return ev
+        except TimeoutError:
+            raise AssertionError(f"no {kind.__name__} (stream {stream_id}) from the client "
+                                 f"within {timeout_s} s") from None
 
     async def request(self, path_prefix: str) -> int:
         while True:
@@ -169,7 +180,12 @@ async def scripted(tls: TlsMaterial, token_file: Path,
         client = BusClient(listener_config(router.port, tls, token_file), lambda: ["vllm-1"],
                            open_stream, **client_kwargs)
         async with running_task(client.run()):
-            yield router, client, await router.connections.get()
+            try:
+                async with asyncio.timeout(WAIT_S):
+                    conn = await router.connections.get()
+            except TimeoutError:
+                raise AssertionError(f"the client did not connect within {WAIT_S} s") from None
+            yield router, client, conn
 
 
 class Chunks:
