@@ -83,9 +83,14 @@ class RecordingOpen:
         self.changed = asyncio.Event()
         return self.hub.open(backend, last_event_id)
 
-    async def wait_calls(self, n: int) -> None:
-        while len(self.calls) < n:
-            await self.changed.wait()
+    async def wait_calls(self, n: int, timeout_s: float = 10.0) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while len(self.calls) < n:
+                    await self.changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"{len(self.calls)} streams opened, not {n}, within "
+                                 f"{timeout_s} s") from None
 
 
 def created(prefix: str, tokens: int) -> list[PrefixTransition]:

@@ -43,9 +43,15 @@ class Recorder:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait(self, predicate: Callable[[list[Record]], bool]) -> None:
-        while not predicate(self.records):
-            await self._changed.wait()
+    async def wait(self, predicate: Callable[[list[Record]], bool],
+                   timeout_s: float = 20.0) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not predicate(self.records):
+                    await self._changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"not within {timeout_s} s: {len(self.records)} records "
+                                 f"applied") from None
 
 
 def new_hub(epoch: str) -> StreamHub:

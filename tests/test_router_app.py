@@ -288,9 +288,13 @@ class NotifyingIndex(InMemoryKvIndex):
         self._applied.set()
         self._applied = asyncio.Event()
 
-    async def wait(self, predicate: Callable[[], bool]) -> None:
-        while not predicate():
-            await self._applied.wait()
+    async def wait(self, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not predicate():
+                    await self._applied.wait()
+        except TimeoutError:
+            raise AssertionError(f"the index did not get there within {timeout_s} s") from None
 
 
 async def test_in_process_router_with_event_bus_push_then_reload_revokes(tmp_path: Path) -> None:
