@@ -140,8 +140,27 @@ class Truthful:
     core: EngineCore
     truth: EngineTruth
     exact: bool
+    http: FaultyHttp
+    health: Health
+    last_publish: float
 
     serve: Callable[..., Any]  # (messages, output_tokens): each engine's own
+
+    def _init_truth(self, engine: Engine) -> None:
+        """An empty oracle, the engine's HTTP edge (faults injectable) and /health, not started."""
+        self.truth = EngineTruth(engine=engine, model=MODEL, tokenizer=TOKENIZER, parser=PARSER)
+        self.http = FaultyHttp()
+        self.health = Health()
+        self.last_publish = 0.0
+        self.exact = True  # False after forget(): the oracle then lacks what the pool still holds
+
+    async def _open_edges(self) -> None:
+        await self.http.start()
+        await self.health.up()
+
+    async def _close_edges(self) -> None:
+        await self.health.down()
+        await self.http.close()
 
     def chat(self, system: int, user: int, output_tokens: int = 8) -> None:
         self.serve(messages(system, user), output_tokens)
@@ -173,22 +192,15 @@ class TruthEngine(Truthful, SimEngine):
         super().__init__(name, TOKENIZER, num_blocks=POOL_BLOCKS, block_size=BLOCK_SIZE,
                          endpoint=f"tcp://127.0.0.1:{free_port()}",
                          replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
-        self.truth = EngineTruth(engine=Engine.VLLM, model=MODEL, tokenizer=TOKENIZER,
-                                 parser=PARSER)
-        self.http = FaultyHttp()
-        self.health = Health()
-        self.last_publish = 0.0
-        self.exact = True  # False after forget(): the oracle then lacks what the pool still holds
+        self._init_truth(Engine.VLLM)
 
     async def start(self) -> TruthEngine:
         await super().start()
-        await self.http.start()
-        await self.health.up()
+        await self._open_edges()
         return self
 
     async def close(self) -> None:
-        await self.health.down()
-        await self.http.close()
+        await self._close_edges()
         await super().close()
 
     def publish_step(self) -> int | None:
@@ -239,12 +251,7 @@ class TrtllmTruthEngine(Truthful):
         self.core = EngineCore(POOL_BLOCKS, BLOCK_SIZE)
         self.server = SimTrtllmServer()
         self.port = free_port()
-        self.truth = EngineTruth(engine=Engine.TRTLLM, model=MODEL, tokenizer=TOKENIZER,
-                                 parser=PARSER)
-        self.http = FaultyHttp()
-        self.health = Health()
-        self.last_publish = 0.0
-        self.exact = True
+        self._init_truth(Engine.TRTLLM)
         self._running: ServedTrtllm | None = None
 
     @property
@@ -253,13 +260,11 @@ class TrtllmTruthEngine(Truthful):
 
     async def start(self) -> TrtllmTruthEngine:
         self._running = await self.server.serve(port=self.port)
-        await self.http.start()
-        await self.health.up()
+        await self._open_edges()
         return self
 
     async def close(self) -> None:
-        await self.health.down()
-        await self.http.close()
+        await self._close_edges()
         if self._running is not None:
             await self._running.close()
             self._running = None
