@@ -96,13 +96,17 @@ def pod_spec(workload: Obj) -> Obj:
     return spec
 
 
-def container(spec: Obj, name: str) -> Obj:
-    for c in [*spec.get("initContainers", []), *spec.get("containers", [])]:
-        if c["name"] == name:
-            found: Obj = c
-            return found
-    raise AssertionError(f"no container {name!r}")
+def find(items: list[Obj], key: str, value: str, what: str) -> Obj:
+    """The item of `items` whose `key` is `value`; `what` names the missing one."""
+    for item in items:
+        if item[key] == value:
+            return item
+    raise AssertionError(what)
 
+
+def container(spec: Obj, name: str) -> Obj:
+    return find([*spec.get("initContainers", []), *spec.get("containers", [])], "name", name,
+                f"no container {name!r}")
 
 def listener() -> Obj:
     return container(pod_spec(statefulset()), "kv-listener")
@@ -137,20 +141,15 @@ def volumes(spec: Obj) -> dict[str, Obj]:
 
 def mount(c: Obj, path: str) -> str:
     """The name of the volume `c` mounts at `path`."""
-    for m in c.get("volumeMounts", []):
-        if m["mountPath"] == path:
-            name: str = m["name"]
-            return name
-    raise AssertionError(f"{c['name']} mounts nothing at {path}")
+    name: str = find(c.get("volumeMounts", []), "mountPath", path,
+                     f"{c['name']} mounts nothing at {path}")["name"]
+    return name
 
 
 def port(c: Obj, name: str) -> int:
-    for p in c.get("ports", []):
-        if p["name"] == name:
-            number: int = p["containerPort"]
-            return number
-    raise AssertionError(f"{c['name']} has no port {name!r}")
-
+    number: int = find(c.get("ports", []), "name", name,
+                       f"{c['name']} has no port {name!r}")["containerPort"]
+    return number
 
 def listen_port(text: str) -> int:
     return int(text.rpartition(":")[2])
