@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -144,6 +145,27 @@ def make_index(url: str, *, offloading: StorageOffloadingConfig = WARM, fallback
         KvCacheIndexConfig(storage_offloading=offloading), metrics=metrics)
 
 
+@contextlib.asynccontextmanager
+async def opened(url: str, **options: Any) -> AsyncIterator[RedisKvIndex]:
+    """`make_index`, closed when the block ends (also on a failed assertion)."""
+    idx = make_index(url, **options)
+    try:
+        yield idx
+    finally:
+        await idx.close()
+
+
+
+async def hold_after_a_query(idx: RedisKvIndex, proxy: HoldingProxy, raw_redis: Redis,
+                             n: int) -> tuple[dict[str, list[Holder]], RedisCounters]:
+    """`n` prefixes written, one query answered (the connection is up), the counters read, then
+    the proxy holds Redis's replies: the next query stays in flight until `proxy.release()`."""
+    expected = await fill(idx, n)
+    await idx.query(P1)
+    before = await RedisCounters.read(raw_redis)
+    proxy.hold()
+    return expected, before
+
 async def settle() -> None:
     """Let the tasks just created run up to their first await (each queues its lookup)."""
     await asyncio.sleep(0)
@@ -166,8 +188,7 @@ async def fill(idx: RedisKvIndex, n: int) -> dict[str, list[Holder]]:
 async def test_concurrent_queries_share_round_trips_and_lookups(
     redis_server: RedisServer, raw_redis: Redis,
 ) -> None:
-    idx = make_index(redis_server.url)
-    try:
+    async with opened(redis_server.url) as idx:
         expected = await fill(idx, 50)
         await idx.query(P1)  # the lookup connection exists before counting
         keys = [prefix(i % 50) for i in range(200)]  # 200 requests, 50 distinct prefixes
@@ -179,19 +200,13 @@ async def test_concurrent_queries_share_round_trips_and_lookups(
         assert spent.reads <= 3, spent  # one pipeline (a few reads at most), not 200 round trips
         assert len({id(r) for r in results}) == 200  # every caller owns its list
         assert (await idx.stats()).queries == 201
-    finally:
-        await idx.close()
 
 
 async def test_first_query_goes_out_at_once_and_the_rest_follow_in_one_batch(
     proxy: HoldingProxy, raw_redis: Redis,
 ) -> None:
-    idx = make_index(proxy.url)
-    try:
-        expected = await fill(idx, 40)
-        await idx.query(P1)
-        before = await RedisCounters.read(raw_redis)
-        proxy.hold()
+    async with opened(proxy.url) as idx:
+        expected, before = await hold_after_a_query(idx, proxy, raw_redis, 40)
         first = asyncio.create_task(idx.query(P1))
         await proxy.arrived.wait()  # sent alone: it waited for no company
         rest = [asyncio.create_task(idx.query(prefix(i))) for i in range(40)]
@@ -203,13 +218,10 @@ async def test_first_query_goes_out_at_once_and_the_rest_follow_in_one_batch(
         assert spent.lookups == (1 + 40) * 2  # P1 again in the second window: its own lookup
         assert spent.reads <= 4, spent  # two pipelines, not 41 round trips
         assert idx.lookup_round_trips == 3  # the warm-up query, then `first`, then the rest
-    finally:
-        await idx.close()
 
 
 async def test_batches_are_bounded(redis_server: RedisServer, raw_redis: Redis) -> None:
-    idx = make_index(redis_server.url, offloading=OFF)
-    try:
+    async with opened(redis_server.url, offloading=OFF) as idx:
         n = 2 * LOOKUP_BATCH + 10
         async with raw_redis.pipeline(transaction=False) as pipe:
             for i in range(n):
@@ -218,8 +230,6 @@ async def test_batches_are_bounded(redis_server: RedisServer, raw_redis: Redis) 
         results = await asyncio.gather(*(idx.query(prefix(i)) for i in range(n)))
         assert results == [[Holder("vllm-1", i + 1, Tier.GPU_HOT)] for i in range(n)]
         assert idx.lookup_round_trips == 3
-    finally:
-        await idx.close()
 
 
 async def test_without_offloading_only_the_gpu_zset_is_read(
@@ -285,12 +295,8 @@ async def test_redis_stopped_mid_batch_every_caller_gets_the_single_query_outcom
 async def test_a_cancelled_caller_does_not_hurt_the_others(
     proxy: HoldingProxy, raw_redis: Redis,
 ) -> None:
-    idx = make_index(proxy.url)
-    try:
-        expected = await fill(idx, 4)
-        await idx.query(P1)
-        before = await RedisCounters.read(raw_redis)
-        proxy.hold()
+    async with opened(proxy.url) as idx:
+        expected, before = await hold_after_a_query(idx, proxy, raw_redis, 4)
         shared_cancelled, shared = (asyncio.create_task(idx.query(P1)) for _ in range(2))
         alone_cancelled = asyncio.create_task(idx.query(P2))  # the only caller of P2
         other = asyncio.create_task(idx.query(P3))
@@ -312,15 +318,12 @@ async def test_a_cancelled_caller_does_not_hurt_the_others(
         assert spent.lookups == (3 + 1) * 2  # the next batch skipped P0: nobody waits for it
         assert not idx.fallback_active
         assert await idx.query(prefix(0)) == expected[prefix(0)]  # the index goes on
-    finally:
-        await idx.close()
 
 
 async def test_a_command_error_fails_only_that_prefixs_callers(
     redis_server: RedisServer, raw_redis: Redis,
 ) -> None:
-    idx = make_index(redis_server.url)
-    try:
+    async with opened(redis_server.url) as idx:
         expected = await fill(idx, 2)
         await raw_redis.set(f"cr:kvidx:warm:{P2}", "not a zset")  # WRONGTYPE for P2's lookup
         p0, p2, p1 = await asyncio.gather(idx.query(prefix(0)), idx.query(P2), idx.query(P1))
@@ -330,8 +333,6 @@ async def test_a_command_error_fails_only_that_prefixs_callers(
         assert p2 == []
         assert idx.fallback_active
         assert idx.redis_errors == 1
-    finally:
-        await idx.close()
 
 
 @pytest.mark.parametrize("protocol", [2, 3])
