@@ -9,8 +9,9 @@ the index against an in-memory model index fed the same records."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from kv_listener.router.config import KvCacheIndexConfig, StorageOffloadingConfi
 from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import Holder, IndexEvent, InMemoryKvIndex
 from kv_listener.router.redis_index import RedisKvIndex
-from tests.support.redis_cluster import LocalRedisCluster, redis_cluster_fixture, slot_of
+from tests.support.redis_cluster import ClusterServer, LocalRedisCluster, redis_cluster_fixture, slot_of
 
 redis_cluster = redis_cluster_fixture()
 
@@ -39,6 +40,33 @@ def index(cluster: LocalRedisCluster, *, offloading: StorageOffloadingConfig = W
     return RedisKvIndex.from_config(
         RedisConfig(url=cluster.url, cluster=True, **settings),
         KvCacheIndexConfig(storage_offloading=offloading), probe_interval_s=probe_interval_s)
+
+
+@contextlib.asynccontextmanager
+async def opened(cluster: LocalRedisCluster, **options: Any) -> AsyncIterator[RedisKvIndex]:
+    """`index`, closed when the block ends (also on a failed assertion)."""
+    idx = index(cluster, **options)
+    try:
+        yield idx
+    finally:
+        await idx.close()
+
+
+@contextlib.asynccontextmanager
+async def restarting(cluster: LocalRedisCluster) -> AsyncIterator[Callable[[str], ClusterServer]]:
+    """`kill(key)` SIGKILLs the master of `key`'s slot; every node killed so is started again
+    (a replica in sync) when the block ends, for the tests after it."""
+    killed: list[ClusterServer] = []
+
+    def kill(key: str) -> ClusterServer:
+        killed.append(cluster.kill_master_of(key))
+        return killed[-1]
+
+    try:
+        yield kill
+    finally:
+        for node in killed:
+            await asyncio.to_thread(cluster.restart, node)
 
 
 def prefix(i: int) -> str:
@@ -120,9 +148,8 @@ async def test_keys_of_one_prefix_share_a_slot_and_writes_are_one_script_there(
     redis_cluster: LocalRedisCluster,
 ) -> None:
     redis_cluster.flushall()
-    idx = index(redis_cluster)
-    p1 = prefix(1)
-    try:
+    async with opened(redis_cluster) as idx:
+        p1 = prefix(1)
         await idx.apply(IndexEvent(CREATED, "vllm-1", p1, 512))
         await idx.apply(IndexEvent(OFFLOADED, "vllm-2", p1, 64))
         hot, warm = idx.hot_key(p1), idx.warm_key(p1)
@@ -151,26 +178,23 @@ async def test_keys_of_one_prefix_share_a_slot_and_writes_are_one_script_there(
         assert await idx.query(p1) == [Holder("vllm-1", 512, Tier.GPU_HOT),
                                        Holder("vllm-2", 64, Tier.STORAGE_WARM),
                                        Holder("vllm-3", 7, Tier.GPU_HOT)]
-    finally:
-        await idx.close()
 
 
 async def test_a_master_killed_mid_traffic_fails_over_without_the_fallback(
     redis_cluster: LocalRedisCluster,
 ) -> None:
     redis_cluster.flushall()
-    idx = index(redis_cluster, failover_wait_ms=20_000)
-    recovered: list[bool] = []
-    idx.add_state_listener(recovered.append)
-    writer = Writer(idx, traffic(700), pause_at=200)
-    killed = None
-    try:
+    async with (restarting(redis_cluster) as kill,
+                opened(redis_cluster, failover_wait_ms=20_000) as idx):
+        recovered: list[bool] = []
+        idx.add_state_listener(recovered.append)
+        writer = Writer(idx, traffic(700), pause_at=200)
         task = asyncio.create_task(writer.run())
         reader = asyncio.create_task(read_while(idx, task, 120))
         async with asyncio.timeout(10):
             await writer.paused.wait()
         await replicated(redis_cluster)
-        killed = redis_cluster.kill_master_of(idx.hot_key(writer.records[200].prefix_hash or ""))
+        killed = kill(idx.hot_key(writer.records[200].prefix_hash or ""))
         failover = asyncio.create_task(asyncio.to_thread(redis_cluster.wait_failover, killed))
         writer.resume.set()  # traffic goes on while the replica is promoted
         async with asyncio.timeout(40):
@@ -185,20 +209,15 @@ async def test_a_master_killed_mid_traffic_fails_over_without_the_fallback(
         assert recovered and set(recovered) == {False}
         assert idx.cluster_outages == len(recovered)
         assert await differences(idx, writer.model, 120) == []
-    finally:
-        await idx.close()
-        if killed is not None:
-            await asyncio.to_thread(redis_cluster.restart, killed)
 
 
 async def test_a_slot_moved_under_concurrent_reads_and_writes(
     redis_cluster: LocalRedisCluster,
 ) -> None:
     redis_cluster.flushall()
-    idx = index(redis_cluster)
-    records = traffic(900, prefixes=40, seed=11)
-    writer = Writer(idx, records, pause_at=300)
-    try:
+    async with opened(redis_cluster) as idx:
+        records = traffic(900, prefixes=40, seed=11)
+        writer = Writer(idx, records, pause_at=300)
         task = asyncio.create_task(writer.run())
         reader = asyncio.create_task(read_while(idx, task, 40))
         async with asyncio.timeout(10):
@@ -217,24 +236,21 @@ async def test_a_slot_moved_under_concurrent_reads_and_writes(
         assert redis_cluster.master_of_slot(slot).node is target
         assert not idx.fallback_active and idx.redis_errors == 0
         assert await differences(idx, writer.model, 40) == []
-    finally:
-        await idx.close()
 
 
 async def test_an_outage_beyond_the_failover_window_takes_the_fallback_and_recovers(
     redis_cluster: LocalRedisCluster,
 ) -> None:
     redis_cluster.flushall()
-    idx = index(redis_cluster, failover_wait_ms=300, probe_interval_s=0.2)
-    states: list[bool] = []
-    idx.add_state_listener(states.append)
-    created = [IndexEvent(CREATED, "vllm-1", prefix(i), 100 + i) for i in range(60)]
-    killed = None
-    try:
+    async with (restarting(redis_cluster) as kill,
+                opened(redis_cluster, failover_wait_ms=300, probe_interval_s=0.2) as idx):
+        states: list[bool] = []
+        idx.add_state_listener(states.append)
+        created = [IndexEvent(CREATED, "vllm-1", prefix(i), 100 + i) for i in range(60)]
         for rec in created[:30]:
             await idx.apply(rec)
         await replicated(redis_cluster)
-        killed = redis_cluster.kill_master_of(idx.hot_key(prefix(0)))
+        killed = kill(idx.hot_key(prefix(0)))
         for rec in created[30:]:  # the dead master's writes fail past 300 ms: the fallback
             await idx.apply(rec)
         assert idx.fallback_active and states == [True]
@@ -245,18 +261,13 @@ async def test_an_outage_beyond_the_failover_window_takes_the_fallback_and_recov
         for rec in created:
             assert await idx.query(rec.prefix_hash or "") == [
                 Holder("vllm-1", rec.token_count or 0, Tier.GPU_HOT)]
-    finally:
-        await idx.close()
-        if killed is not None:
-            await asyncio.to_thread(redis_cluster.restart, killed)
 
 
 async def test_cache_cleared_misses_nothing_and_cleanup_prunes_a_cut_write(
     redis_cluster: LocalRedisCluster,
 ) -> None:
     redis_cluster.flushall()
-    idx = index(redis_cluster)
-    try:
+    async with opened(redis_cluster) as idx:
         for i in range(300):  # spread over every master
             await idx.apply(IndexEvent(CREATED, "vllm-1", prefix(i), 10))
         await idx.apply(IndexEvent(CREATED, "vllm-2", prefix(5), 20))
@@ -267,8 +278,6 @@ async def test_cache_cleared_misses_nothing_and_cleanup_prunes_a_cut_write(
         await idx.redis.client.sadd(idx.backend_key("vllm-2"), prefix(77))
         assert await idx.cleanup_expired() == 1
         assert await idx.redis.client.smembers(idx.backend_key("vllm-2")) == {prefix(5)}
-    finally:
-        await idx.close()
 
 
 async def test_tls_and_an_acl_user_with_a_password_file(tmp_path: Path) -> None:
