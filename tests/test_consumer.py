@@ -193,6 +193,15 @@ class Applied:
     async def take(self, n: int) -> list[Record]:
         return [await self.next() for _ in range(n)]
 
+    def after(self, first: Callable[[Record], Awaitable[None]]) -> Callable[[Record], Awaitable[None]]:
+        """A callback that gives each record to `first` (an index), then collects it."""
+
+        async def apply(record: Record) -> None:
+            await first(record)
+            await self(record)
+
+        return apply
+
 
 class FakeSleep:
     """Records the requested delays without waiting; from call `block_after` on it blocks until
@@ -733,11 +742,7 @@ async def test_against_the_listener_sse_server_into_a_real_index() -> None:
     server = await serve(create_app(hub, NoSources()), "127.0.0.1", 0, graceful_timeout_s=1)
     index = InMemoryKvIndex()
     applied = Applied()
-    into_index = index_applier(index)
-
-    async def apply(record: Record) -> None:
-        await into_index(record)
-        await applied(record)
+    apply = applied.after(index_applier(index))
 
     sleep = FakeSleep()
     metrics = WatchedMetrics(CollectorRegistry(), [B])
@@ -857,11 +862,7 @@ async def test_over_the_real_event_bus_from_a_real_listener_client(
     hub.add_backend(B)
     index = InMemoryKvIndex()
     applied = Applied()
-    into_index = index_applier(index)
-
-    async def apply(record: Record) -> None:
-        await into_index(record)
-        await applied(record)
+    apply = applied.after(index_applier(index))
 
     async with running_server(bus_tls) as bus:
         delays: list[float] = []
