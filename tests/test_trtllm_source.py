@@ -26,6 +26,7 @@ from kv_listener.sources.trtllm import (
 )
 from kv_listener.stats import SourceStats
 from tests.support.queues import get, get_batch
+from tests.support.tasks import running_task
 
 INTERVAL = 0.02
 
@@ -54,14 +55,9 @@ async def polling(
 ) -> AsyncIterator[TrtllmSource]:
     async with await sim.serve() as server:
         source = TrtllmSource(config(server.url), queue, SourceStats(engine="trtllm"), **kwargs)
-        task = asyncio.create_task(source.run())
-        try:
+        async with running_task(source.run()):
             yield source
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            assert not source.stats.ready
+        assert not source.stats.ready
 
 
 async def test_polls_deliver_batches_and_duplicates_are_skipped() -> None:
@@ -228,13 +224,8 @@ async def test_connection_errors_are_counted_and_never_fatal() -> None:
     await server.close()  # nothing listens on that port any more
     queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)
     source = TrtllmSource(config(url), queue, SourceStats(engine="trtllm"))
-    task = asyncio.create_task(source.run())
-    try:
+    async with running_task(source.run()):
         await source.wait_polls(3)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
     assert set(source.stats.poll_errors) == {"connection"}
     assert source.stats.poll_errors["connection"] >= 3
     assert not source.stats.ready and source.stats.last_ok_at is None
@@ -271,13 +262,8 @@ async def test_host_name_url_is_checked_against_the_resolved_peer() -> None:
         url = server.url.replace("127.0.0.1", "localhost")
         source = TrtllmSource(config(url, allowed_publishers=("localhost",)), queue,
                               SourceStats(engine="trtllm"))
-        task = asyncio.create_task(source.run())
-        try:
+        async with running_task(source.run()):
             batch = await get_batch(queue)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
     assert batch.events == (stored(3),)
     assert source.stats.refused_publishers == 0
 
@@ -318,13 +304,8 @@ async def test_a_refused_connection_is_logged_with_url_and_errno() -> None:
     source = TrtllmSource(config(f"http://user:pw@127.0.0.1:{port}/kv_cache_events"), queue,
                           SourceStats(engine="trtllm"))
     with capture_logs() as logs:
-        task = asyncio.create_task(source.run())
-        try:
+        async with running_task(source.run()):
             await source.wait_polls(1)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
     failed = [e for e in logs if e["event"] == "trtllm_poll_failed"]
     assert failed, logs
     assert failed[0]["url"] == f"http://127.0.0.1:{port}/kv_cache_events"  # no credentials

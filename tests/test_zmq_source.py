@@ -30,6 +30,7 @@ from kv_listener.sources.common import QueueFeeder, batch_tokens
 from kv_listener.sources.zmq import ZmqSource
 from kv_listener.stats import SourceStats
 from tests.support.queues import get, get_batch
+from tests.support.tasks import running_task
 
 TIMEOUT = 5.0
 
@@ -84,8 +85,7 @@ class ObservedQueue(asyncio.Queue[SourceItem]):
 
 @contextlib.asynccontextmanager
 async def running(source: ZmqSource) -> AsyncIterator[asyncio.Task[None]]:
-    task = asyncio.create_task(source.run())
-    try:
+    async with running_task(source.run()) as task:
         ready = asyncio.create_task(source.ready.wait())
         done, _ = await asyncio.wait({task, ready}, timeout=TIMEOUT,
                                      return_when=asyncio.FIRST_COMPLETED)
@@ -95,10 +95,6 @@ async def running(source: ZmqSource) -> AsyncIterator[asyncio.Task[None]]:
                 task.result()
             raise TimeoutError("source never became ready")
         yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
     assert not source.stats.ready
 
 
