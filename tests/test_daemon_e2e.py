@@ -23,6 +23,7 @@ from kv_listener.sim.publisher import SimPublisher
 from tests.conftest import FIXTURES, free_port
 from tests.support.daemon import Daemon, SseClient, sse
 from tests.support.detokenize_server import DetokenizeServer
+from tests.support.listening import listening, salted_base
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -132,11 +133,9 @@ async def test_vllm_map_unsalted_chain_through_detokenize(tmp_path: Path,
 
 async def test_salted_vllm_array_and_sglang_chains_need_no_detokenize(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
-    secret = tmp_path / "salt.secret"
-    secret.write_text("s3cret\n")
     vport, sport = free_port(), free_port()
-    cfg = {"listen": f"127.0.0.1:{free_port()}", "cache_salt": {"secret_file": str(secret)},
-           "sources": [source("vllm-1", "vllm", vport), source("sglang-1", "sglang", sport)]}
+    cfg = dict(salted_base(tmp_path, "s3cret\n"),
+               sources=[source("vllm-1", "vllm", vport), source("sglang-1", "sglang", sport)])
     key_v = hashlib.sha256(MODEL.encode() + b"\x00S" + b"system one").digest()
     key_s = hashlib.sha256(MODEL.encode() + b"\x00S" + b"system two").digest()
     salt_v = issue_cache_salt(b"s3cret", "vllm-1", key_v)
@@ -192,8 +191,7 @@ async def test_sigterm_sends_draining_and_exits_0(tmp_path: Path,
                                                   session: aiohttp.ClientSession) -> None:
     zport = free_port()
     cfg = {"listen": f"127.0.0.1:{free_port()}", "sources": [source("vllm-1", "vllm", zport)]}
-    daemon = await Daemon(cfg, tmp_path).start()
-    try:
+    async with Daemon(cfg, tmp_path) as daemon:
         client = await SseClient(session, f"{daemon.base}/events/vllm-1").connect()
         await client.next()
         daemon.signal(signal.SIGTERM)
@@ -202,16 +200,12 @@ async def test_sigterm_sends_draining_and_exits_0(tmp_path: Path,
         assert data(ev) == {"event": "draining", "backend": "vllm-1"}
         client.close()
         assert await daemon.wait_exit() == 0
-    finally:
-        await daemon.stop()
 
 
 async def test_sighup_adds_and_removes_sources_keeping_the_others_history(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
-    secret = tmp_path / "salt.secret"
-    secret.write_text("s3cret")
     p1, p2, p3 = free_port(), free_port(), free_port()
-    base = {"listen": f"127.0.0.1:{free_port()}", "cache_salt": {"secret_file": str(secret)}}
+    base = salted_base(tmp_path)
     cfg = dict(base, sources=[source("vllm-1", "vllm", p1), source("vllm-2", "vllm", p2)])
     tokens = list(range(7, 7 + 2 * BLOCK))
 
@@ -267,18 +261,13 @@ async def test_sighup_adds_and_removes_sources_keeping_the_others_history(
 
 async def test_changed_source_restarts_behind_a_cache_cleared(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
-    secret = tmp_path / "salt.secret"
-    secret.write_text("s3cret")
     port = free_port()
-    base = {"listen": f"127.0.0.1:{free_port()}", "cache_salt": {"secret_file": str(secret)}}
+    base = salted_base(tmp_path)
     tokens = list(range(3, 3 + BLOCK))
     key = hashlib.sha256(MODEL.encode() + b"\x00S" + b"sys").digest()
     salt = issue_cache_salt(b"s3cret", "vllm-1", key)
-    async with Daemon(dict(base, sources=[source("vllm-1", "vllm", port)]), tmp_path) as daemon, \
-            SimPublisher(f"tcp://127.0.0.1:{port}", mode="connect") as pub, \
-            sse(session, f"{daemon.base}/events/vllm-1") as client:
-        await client.next()
-        await pub.wait_for_subscriber()
+    cfg = dict(base, sources=[source("vllm-1", "vllm", port)])
+    async with listening(cfg, tmp_path, session, port, "vllm-1") as (daemon, pub, client):
         pub.publish(encode_vllm_batch([stored(tokens, block_hashes(tokens), extra_keys=((salt,),))],
                                       ts=1.0))
         await client.until(lambda e: e.event == "cache_created")
@@ -295,8 +284,7 @@ async def test_changed_source_restarts_behind_a_cache_cleared(
 async def test_a_second_sigterm_while_draining_still_exits_0(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
     cfg = {"listen": f"127.0.0.1:{free_port()}", "sources": [source("vllm-1", "vllm", free_port())]}
-    daemon = await Daemon(cfg, tmp_path).start()
-    try:
+    async with Daemon(cfg, tmp_path) as daemon:
         client = await SseClient(session, f"{daemon.base}/events/vllm-1").connect()
         await client.next()
         daemon.signal(signal.SIGTERM)
@@ -306,8 +294,6 @@ async def test_a_second_sigterm_while_draining_still_exits_0(
         assert (await client.until(lambda e: e.event == "draining")).id is None
         client.close()
         assert await daemon.wait_exit() == 0
-    finally:
-        await daemon.stop()
 
 
 async def test_sglang_unsalted_chain_through_sglang_detokenize(
@@ -319,11 +305,7 @@ async def test_sglang_unsalted_chain_through_sglang_detokenize(
     cfg = {"listen": f"127.0.0.1:{free_port()}",
            "sources": [source("sglang-1", "sglang", zport, detokenize_endpoint=detok.url)]}
     try:
-        async with Daemon(cfg, tmp_path) as daemon, \
-                SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub, \
-                sse(session, f"{daemon.base}/events/sglang-1") as client:
-            await client.next()
-            await pub.wait_for_subscriber()
+        async with listening(cfg, tmp_path, session, zport, "sglang-1") as (_, pub, client):
             tokens = chat_tokens(SYSTEM, USER)
             hashes = block_hashes(tokens)
             # SGLang 0.5.17 array form, one event per page run; len(tokens) == block_size * hashes

@@ -29,6 +29,7 @@ from kv_listener.sim.trtllm_server import SimTrtllmServer
 from tests.conftest import FIXTURES, free_port
 from tests.support.daemon import Daemon, sse
 from tests.support.detokenize_server import DetokenizeServer as ScriptedServer
+from tests.support.listening import listening
 from tests.test_daemon_e2e import MODEL, SYSTEM, USER, block_hashes, chat_tokens, spec_hash, stored
 
 pytestmark = pytest.mark.timeout(60)
@@ -209,11 +210,7 @@ async def test_a_chain_whose_detokenize_failed_resolves_once_the_endpoint_is_bac
                         "zmq_endpoint": f"tcp://127.0.0.1:{zport}",
                         "detokenize_endpoint": server.url}]}
     try:
-        async with Daemon(cfg, tmp_path) as daemon, \
-                SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub, \
-                sse(session, f"{daemon.base}/events/vllm-1") as client:
-            await client.next()
-            await pub.wait_for_subscriber()
+        async with listening(cfg, tmp_path, session, zport, "vllm-1") as (daemon, pub, client):
             tokens = chat_tokens(SYSTEM, USER)
             pub.publish(encode_vllm_batch([stored(tokens, block_hashes(tokens))], ts=1.0))
             await daemon.wait_log("detokenize_failed", backend="vllm-1")
