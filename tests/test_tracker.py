@@ -131,6 +131,15 @@ class PrefixCache:
         return self.t.apply(batch(ev))
 
 
+
+def engine_with(*prompts: list[int]) -> tuple[Tracker, PrefixCache]:
+    """A vLLM tracker, and in front of it a prefix-caching engine that has stored `prompts`."""
+    t = make()
+    e = PrefixCache(t)
+    for prompt in prompts:
+        e.store(prompt)
+    return t, e
+
 def serve(t: Tracker, *, hint: bool = True) -> tuple[list[ResolveRequest], list[PrefixTransition]]:
     """Take the tracker's requests and answer them at once."""
     reqs = t.take_resolve_requests()
@@ -152,8 +161,7 @@ SYSTEM = list(range(10, 31))  # 21 tokens: the system prompt region ends at toke
 
 
 def test_root_chain_asks_once_and_resolution_creates_the_prefix() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     prompt = chat(SYSTEM, [100, 101, 102])  # 29 tokens -> 7 full blocks, 28 tokens
     assert e.store(prompt) == []
     reqs = t.take_resolve_requests()
@@ -172,8 +180,7 @@ def test_root_chain_asks_once_and_resolution_creates_the_prefix() -> None:
 
 
 def test_descendants_inherit_without_new_requests() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     prompt = chat(SYSTEM, [100, 101, 102])
     e.store(prompt)
     serve(t)
@@ -186,8 +193,7 @@ def test_descendants_inherit_without_new_requests() -> None:
 
 
 def test_child_arriving_while_its_chain_is_resolved_inherits_the_answer() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     prompt = chat(SYSTEM, [100, 101, 102])
     e.store(prompt)
     reqs = t.take_resolve_requests()
@@ -199,9 +205,7 @@ def test_child_arriving_while_its_chain_is_resolved_inherits_the_answer() -> Non
 
 
 def test_branch_under_a_chain_being_resolved_waits_and_inherits() -> None:
-    t = make()
-    e = PrefixCache(t)
-    e.store(chat(SYSTEM, [100, 101, 102]))
+    t, e = engine_with(chat(SYSTEM, [100, 101, 102]))
     reqs = t.take_resolve_requests()
     e.store(chat(SYSTEM, [150, 151, 152]))  # forks under a block of the chain being resolved
     assert t.take_resolve_requests() == []
@@ -214,9 +218,7 @@ def test_branch_under_a_chain_being_resolved_waits_and_inherits() -> None:
 
 
 def test_users_sharing_a_system_prompt_cost_two_requests_without_a_hint() -> None:
-    t = make()
-    e = PrefixCache(t)
-    e.store(chat(SYSTEM, [100, 101, 102]))
+    t, e = engine_with(chat(SYSTEM, [100, 101, 102]))
     reqs, out = serve(t, hint=False)
     assert len(reqs) == 1 and kinds(out) == [("created", 28)]
     # user 2 diverges at token 25 (its first user token): a probe for root..24 only
@@ -235,8 +237,7 @@ def test_users_sharing_a_system_prompt_cost_two_requests_without_a_hint() -> Non
 
 
 def test_with_the_hint_one_request_serves_every_user_of_a_system_prompt() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     for u in range(10):
         e.store(chat(SYSTEM, [100 + u, 5, 6, 7]))
         serve(t, hint=True)
@@ -248,9 +249,7 @@ def test_a_failed_probe_is_not_asked_again_until_its_chain_grows() -> None:
     # A probe asks for fewer tokens than its chain has; a FAILED answer (circuit open, engine
     # down) must not look like growth, or the tracker asks again at once, forever: with an
     # answer that fails without any I/O the daemon spun and stopped serving (issue #11).
-    t = make()
-    e = PrefixCache(t)
-    e.store(chat(SYSTEM, [100, 101, 102]))
+    t, e = engine_with(chat(SYSTEM, [100, 101, 102]))
     serve(t, hint=False)
     e.store(chat(SYSTEM, [150, 151, 152]))
     probe = t.take_resolve_requests()
@@ -264,9 +263,7 @@ def test_a_failed_probe_is_not_asked_again_until_its_chain_grows() -> None:
 
 
 def test_failed_chains_are_asked_again_by_retry_failed_only() -> None:
-    t = make()
-    e = PrefixCache(t)
-    e.store(chat(SYSTEM, [100, 101, 102]))
+    t, _ = engine_with(chat(SYSTEM, [100, 101, 102]))
     req = t.take_resolve_requests()
     assert len(req) == 1
     t.on_resolved(ResolveOutcome(req[0].head, ResolveStatus.FAILED, reason="connect_error"))
@@ -280,9 +277,7 @@ def test_failed_chains_are_asked_again_by_retry_failed_only() -> None:
 
 
 def test_branch_with_another_system_prompt_gets_its_own_key() -> None:
-    t = make()
-    e = PrefixCache(t)
-    e.store(chat(SYSTEM, [100, 101, 102]))
+    t, e = engine_with(chat(SYSTEM, [100, 101, 102]))
     serve(t, hint=False)
     other = [*SYSTEM[:10], 99, *SYSTEM[11:]]  # differs at token 12, inside the system content
     e.store(chat(other, [100, 101, 102]))
@@ -296,8 +291,7 @@ def test_branch_with_another_system_prompt_gets_its_own_key() -> None:
 
 
 def test_pending_is_retried_when_the_chain_grows_and_failed_stays_pending() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     long_system = list(range(10, 40))  # 30 tokens: the first 3 blocks do not close it
     prompt = chat(long_system, [100, 101])
     e.store(prompt[:12])
@@ -317,8 +311,7 @@ def test_pending_is_retried_when_the_chain_grows_and_failed_stays_pending() -> N
 
 
 def test_growth_during_a_pending_answer_asks_again_at_once() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     prompt = chat(list(range(10, 40)), [100, 101])
     e.store(prompt[:12])
     reqs = t.take_resolve_requests()
@@ -331,8 +324,7 @@ def test_growth_during_a_pending_answer_asks_again_at_once() -> None:
 
 
 def test_unattributed_discards_the_chain_and_its_descendants() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     completion = [50, 51, 52, 53, 54, 55, 56, 57]
     e.store(completion)
     reqs, out = serve(t)
@@ -370,8 +362,7 @@ def test_chain_resolved_within_max_chain_tokens_keeps_growing_past_it() -> None:
 
 
 def test_lora_chains_ask_with_the_adapter_name() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     e.store(chat(SYSTEM, [100]), lora_name="sql-lora")
     reqs, out = serve(t)
     assert reqs[0].model == "sql-lora"
@@ -380,8 +371,7 @@ def test_lora_chains_ask_with_the_adapter_name() -> None:
 
 
 def test_first_message_rule_without_a_system_prompt() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     e.store(chat(None, [100, 101, 102, 103, 104]))
     serve(t)
     assert t.snapshot() == {key_for("m", None, [100, 101, 102, 103, 104]).hex(): (8, Tier.GPU_HOT)}
@@ -533,8 +523,7 @@ def test_medium_none_means_gpu_when_stored_and_every_medium_when_removed() -> No
 
 
 def test_block_stored_is_idempotent() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     prompt = chat(SYSTEM, [100, 101, 102])
     e.store(prompt)
     serve(t)
@@ -706,12 +695,16 @@ def test_retained_tokens_stay_within_the_bound() -> None:
     assert len(t.take_resolve_requests()) == 5
 
 
-def test_pending_chain_losing_a_middle_block_discards_what_is_below() -> None:
-    t = make()
-    e = PrefixCache(t)
+
+def four_blocks_pending() -> tuple[Tracker, list[int], list[int]]:
+    """A chain of four blocks pending (its 30-token system prompt not closed yet): the tracker,
+    the whole prompt and the block hashes of the whole prompt."""
     prompt = chat(list(range(10, 40)), [100])
-    e.store(prompt[:16])
-    hs = hashes_of(prompt)
+    t, _ = engine_with(prompt[:16])
+    return t, prompt, hashes_of(prompt)
+
+def test_pending_chain_losing_a_middle_block_discards_what_is_below() -> None:
+    t, prompt, hs = four_blocks_pending()
     t.apply(batch(BlockRemoved((hs[1],))))
     assert t.unattributed_reasons == {UnattributedReason.TOKENS_UNAVAILABLE.value: 1}
     reqs = t.take_resolve_requests()
@@ -720,11 +713,7 @@ def test_pending_chain_losing_a_middle_block_discards_what_is_below() -> None:
 
 
 def test_removing_the_head_of_a_pending_chain_asks_for_the_rest() -> None:
-    t = make()
-    e = PrefixCache(t)
-    prompt = chat(list(range(10, 40)), [100])
-    e.store(prompt[:16])
-    hs = hashes_of(prompt)
+    t, _, hs = four_blocks_pending()
     t.apply(batch(BlockRemoved((hs[3],))))
     reqs = t.take_resolve_requests()
     assert [len(r.tokens) for r in reqs] == [12] and reqs[0].head == hs[2]
@@ -734,8 +723,7 @@ def test_removing_the_head_of_a_pending_chain_asks_for_the_rest() -> None:
 
 
 def test_resolved_without_a_valid_key_counts_as_failed() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     e.store(chat(SYSTEM, [100]))
     req = t.take_resolve_requests()[0]
     assert t.on_resolved(ResolveOutcome(req.head, ResolveStatus.RESOLVED, key=b"short")) == []
@@ -840,8 +828,7 @@ def test_records_stay_exact_through_colliding_hashes_index_rebuilds_and_arena_co
 def test_a_head_whose_answer_is_out_is_not_asked_again_but_adopted() -> None:
     # The resolver drops a second request for a head it holds: after a clear the same chain
     # (same head, same tokens) takes over the outstanding answer instead of asking again.
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     prompt = chat(SYSTEM, [100])
     e.store(prompt)
     reqs = t.take_resolve_requests()
@@ -854,9 +841,7 @@ def test_a_head_whose_answer_is_out_is_not_asked_again_but_adopted() -> None:
 
 
 def test_a_different_request_for_an_outstanding_head_waits_for_its_answer() -> None:
-    t = make()
-    e = PrefixCache(t)
-    e.store(chat(SYSTEM, [100, 101, 102]))
+    t, e = engine_with(chat(SYSTEM, [100, 101, 102]))
     serve(t, hint=False)
     user2 = chat(SYSTEM, [150, 151, 152])
     e.store(user2)
@@ -872,8 +857,7 @@ def test_a_different_request_for_an_outstanding_head_waits_for_its_answer() -> N
 
 
 def test_forget_requests_asks_again() -> None:
-    t = make()
-    e = PrefixCache(t)
+    t, e = engine_with()
     e.store(chat(SYSTEM, [100]))
     first = t.take_resolve_requests()
     t.forget_requests()  # the resolver was replaced: that answer will never come
