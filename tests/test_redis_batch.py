@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -25,6 +24,7 @@ from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import Holder, IndexEvent, PrefixEventType
 from kv_listener.router.metrics import RouterMetrics
 from kv_listener.router.redis_index import LOOKUP_BATCH, RedisKvIndex
+from tests.support.closing import closed_after
 from tests.support.redis_server import RedisServer
 
 CREATED = PrefixEventType.CACHE_CREATED
@@ -145,16 +145,6 @@ def make_index(url: str, *, offloading: StorageOffloadingConfig = WARM, fallback
         KvCacheIndexConfig(storage_offloading=offloading), metrics=metrics)
 
 
-@contextlib.asynccontextmanager
-async def opened(url: str, **options: Any) -> AsyncIterator[RedisKvIndex]:
-    """`make_index`, closed when the block ends (also on a failed assertion)."""
-    idx = make_index(url, **options)
-    try:
-        yield idx
-    finally:
-        await idx.close()
-
-
 
 async def hold_after_a_query(idx: RedisKvIndex, proxy: HoldingProxy, raw_redis: Redis,
                              n: int) -> tuple[dict[str, list[Holder]], RedisCounters]:
@@ -188,7 +178,7 @@ async def fill(idx: RedisKvIndex, n: int) -> dict[str, list[Holder]]:
 async def test_concurrent_queries_share_round_trips_and_lookups(
     redis_server: RedisServer, raw_redis: Redis,
 ) -> None:
-    async with opened(redis_server.url) as idx:
+    async with closed_after(make_index(redis_server.url)) as idx:
         expected = await fill(idx, 50)
         await idx.query(P1)  # the lookup connection exists before counting
         keys = [prefix(i % 50) for i in range(200)]  # 200 requests, 50 distinct prefixes
@@ -205,7 +195,7 @@ async def test_concurrent_queries_share_round_trips_and_lookups(
 async def test_first_query_goes_out_at_once_and_the_rest_follow_in_one_batch(
     proxy: HoldingProxy, raw_redis: Redis,
 ) -> None:
-    async with opened(proxy.url) as idx:
+    async with closed_after(make_index(proxy.url)) as idx:
         expected, before = await hold_after_a_query(idx, proxy, raw_redis, 40)
         first = asyncio.create_task(idx.query(P1))
         await proxy.arrived.wait()  # sent alone: it waited for no company
@@ -221,7 +211,7 @@ async def test_first_query_goes_out_at_once_and_the_rest_follow_in_one_batch(
 
 
 async def test_batches_are_bounded(redis_server: RedisServer, raw_redis: Redis) -> None:
-    async with opened(redis_server.url, offloading=OFF) as idx:
+    async with closed_after(make_index(redis_server.url, offloading=OFF)) as idx:
         n = 2 * LOOKUP_BATCH + 10
         async with raw_redis.pipeline(transaction=False) as pipe:
             for i in range(n):
@@ -295,7 +285,7 @@ async def test_redis_stopped_mid_batch_every_caller_gets_the_single_query_outcom
 async def test_a_cancelled_caller_does_not_hurt_the_others(
     proxy: HoldingProxy, raw_redis: Redis,
 ) -> None:
-    async with opened(proxy.url) as idx:
+    async with closed_after(make_index(proxy.url)) as idx:
         expected, before = await hold_after_a_query(idx, proxy, raw_redis, 4)
         shared_cancelled, shared = (asyncio.create_task(idx.query(P1)) for _ in range(2))
         alone_cancelled = asyncio.create_task(idx.query(P2))  # the only caller of P2
@@ -323,7 +313,7 @@ async def test_a_cancelled_caller_does_not_hurt_the_others(
 async def test_a_command_error_fails_only_that_prefixs_callers(
     redis_server: RedisServer, raw_redis: Redis,
 ) -> None:
-    async with opened(redis_server.url) as idx:
+    async with closed_after(make_index(redis_server.url)) as idx:
         expected = await fill(idx, 2)
         await raw_redis.set(f"cr:kvidx:warm:{P2}", "not a zset")  # WRONGTYPE for P2's lookup
         p0, p2, p1 = await asyncio.gather(idx.query(prefix(0)), idx.query(P2), idx.query(P1))

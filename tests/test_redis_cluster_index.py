@@ -23,6 +23,7 @@ from kv_listener.router.config import KvCacheIndexConfig, StorageOffloadingConfi
 from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import Holder, IndexEvent, InMemoryKvIndex
 from kv_listener.router.redis_index import RedisKvIndex
+from tests.support.closing import closed_after
 from tests.support.redis_cluster import ClusterServer, LocalRedisCluster, redis_cluster_fixture, slot_of
 
 redis_cluster = redis_cluster_fixture()
@@ -40,16 +41,6 @@ def index(cluster: LocalRedisCluster, *, offloading: StorageOffloadingConfig = W
     return RedisKvIndex.from_config(
         RedisConfig(url=cluster.url, cluster=True, **settings),
         KvCacheIndexConfig(storage_offloading=offloading), probe_interval_s=probe_interval_s)
-
-
-@contextlib.asynccontextmanager
-async def opened(cluster: LocalRedisCluster, **options: Any) -> AsyncIterator[RedisKvIndex]:
-    """`index`, closed when the block ends (also on a failed assertion)."""
-    idx = index(cluster, **options)
-    try:
-        yield idx
-    finally:
-        await idx.close()
 
 
 @contextlib.asynccontextmanager
@@ -148,7 +139,7 @@ async def test_keys_of_one_prefix_share_a_slot_and_writes_are_one_script_there(
     redis_cluster: LocalRedisCluster,
 ) -> None:
     redis_cluster.flushall()
-    async with opened(redis_cluster) as idx:
+    async with closed_after(index(redis_cluster)) as idx:
         p1 = prefix(1)
         await idx.apply(IndexEvent(CREATED, "vllm-1", p1, 512))
         await idx.apply(IndexEvent(OFFLOADED, "vllm-2", p1, 64))
@@ -185,7 +176,7 @@ async def test_a_master_killed_mid_traffic_fails_over_without_the_fallback(
 ) -> None:
     redis_cluster.flushall()
     async with (restarting(redis_cluster) as kill,
-                opened(redis_cluster, failover_wait_ms=20_000) as idx):
+                closed_after(index(redis_cluster, failover_wait_ms=20_000)) as idx):
         recovered: list[bool] = []
         idx.add_state_listener(recovered.append)
         writer = Writer(idx, traffic(700), pause_at=200)
@@ -215,7 +206,7 @@ async def test_a_slot_moved_under_concurrent_reads_and_writes(
     redis_cluster: LocalRedisCluster,
 ) -> None:
     redis_cluster.flushall()
-    async with opened(redis_cluster) as idx:
+    async with closed_after(index(redis_cluster)) as idx:
         records = traffic(900, prefixes=40, seed=11)
         writer = Writer(idx, records, pause_at=300)
         task = asyncio.create_task(writer.run())
@@ -243,7 +234,7 @@ async def test_an_outage_beyond_the_failover_window_takes_the_fallback_and_recov
 ) -> None:
     redis_cluster.flushall()
     async with (restarting(redis_cluster) as kill,
-                opened(redis_cluster, failover_wait_ms=300, probe_interval_s=0.2) as idx):
+                closed_after(index(redis_cluster, failover_wait_ms=300, probe_interval_s=0.2)) as idx):
         states: list[bool] = []
         idx.add_state_listener(states.append)
         created = [IndexEvent(CREATED, "vllm-1", prefix(i), 100 + i) for i in range(60)]
@@ -267,7 +258,7 @@ async def test_cache_cleared_misses_nothing_and_cleanup_prunes_a_cut_write(
     redis_cluster: LocalRedisCluster,
 ) -> None:
     redis_cluster.flushall()
-    async with opened(redis_cluster) as idx:
+    async with closed_after(index(redis_cluster)) as idx:
         for i in range(300):  # spread over every master
             await idx.apply(IndexEvent(CREATED, "vllm-1", prefix(i), 10))
         await idx.apply(IndexEvent(CREATED, "vllm-2", prefix(5), 20))
