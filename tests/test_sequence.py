@@ -25,6 +25,7 @@ from kv_listener.core.sequence import (
     GapOutcome,
     ReplayStatus,
     SeqAction,
+    SeqDecision,
     SequenceTracker,
     SourceDropReason,
     TrtllmEventStream,
@@ -37,11 +38,22 @@ from kv_listener.core.sequence import (
 # --- live sequence decisions ---------------------------------------------------------------
 
 
+def observed(*seqs: int) -> SequenceTracker:
+    """A tracker that has seen `seqs`."""
+    t = SequenceTracker()
+    for seq in seqs:
+        t.observe(seq)
+    return t
+
+
+def decision(d: SeqDecision) -> tuple[SeqAction, int | None, int]:
+    return d.action, d.expected, d.got
+
+
 def test_first_batch_is_applied_as_is_then_in_order() -> None:
     t = SequenceTracker()
     assert t.expected is None
-    d = t.observe(7)
-    assert (d.action, d.got, d.expected) == (SeqAction.APPLY, 7, None)
+    assert decision(t.observe(7)) == (SeqAction.APPLY, None, 7)
     assert t.observe(8).action is SeqAction.APPLY
     assert t.expected == 9
 
@@ -50,33 +62,26 @@ def test_a_seq_that_does_not_continue_the_stream_is_never_a_duplicate() -> None:
     # PUB/SUB neither duplicates nor reorders: `expected - 1` again is a restarted publisher
     # that has sent as many batches as before minus one, e.g. a real vLLM that sent exactly one
     # batch (seq 0), restarted and sent seq 0 again (issue #10).
-    t = SequenceTracker()
-    t.observe(0)
-    d = t.observe(0)
-    assert (d.action, d.expected, d.got) == (SeqAction.RESTART, 1, 0)
+    t = observed(0)
+    assert decision(t.observe(0)) == (SeqAction.RESTART, 1, 0)
     assert t.expected == 1
     t.observe(1)
     t.observe(2)
-    d = t.observe(2)
-    assert (d.action, d.expected, d.got) == (SeqAction.RESTART, 3, 2)
+    assert decision(t.observe(2)) == (SeqAction.RESTART, 3, 2)
     assert t.observe(3).action is SeqAction.APPLY
 
 
 def test_sequence_going_backwards_is_a_restart_and_restarts_tracking() -> None:
-    t = SequenceTracker()
-    for s in range(6):
-        t.observe(s)
-    d = t.observe(0)
-    assert (d.action, d.expected, d.got) == (SeqAction.RESTART, 6, 0)
+    t = observed(*range(6))
+    assert decision(t.observe(0)) == (SeqAction.RESTART, 6, 0)
     assert t.expected == 1
     assert t.observe(1).action is SeqAction.APPLY
 
 
 def test_gap_does_not_advance_until_filled() -> None:
-    t = SequenceTracker()
-    t.observe(0)
+    t = observed(0)
     d = t.observe(4)
-    assert (d.action, d.expected, d.got) == (SeqAction.GAP, 1, 4)
+    assert decision(d) == (SeqAction.GAP, 1, 4)
     assert t.expected == 1
     plan = t.fill_gap(d, "P4", [(1, "P1"), (2, "P2"), (3, "P3")], ReplayStatus.COMPLETE)
     assert plan.outcome is GapOutcome.FILLED
