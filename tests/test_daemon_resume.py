@@ -21,12 +21,14 @@ listener's code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
 import signal
 import socket
 from array import array
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -206,6 +208,15 @@ def config(tmp_path: Path, zport: int, **top: Any) -> dict[str, Any]:
                          "zmq_endpoint": f"tcp://127.0.0.1:{zport}"}], **top}
 
 
+@contextlib.asynccontextmanager
+async def engine_and_daemon(tmp_path: Path, **top: Any) -> AsyncIterator[tuple[Daemon, SimPublisher]]:
+    """The daemon on `config(tmp_path, port, **top)` and the engine's publisher on that port."""
+    zport = free_port()
+    async with Daemon(config(tmp_path, zport, **top), tmp_path) as daemon, \
+            SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub:
+        yield daemon, pub
+
+
 def data(ev: SseEvent) -> dict[str, Any]:
     return dict(json.loads(ev.data))
 
@@ -319,11 +330,9 @@ async def hopping_consumer(session: aiohttp.ClientSession, url: str, rng: random
 
 async def test_random_disconnects_resume_to_exactly_the_uninterrupted_stream(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
-    zport = free_port()
     engine = SaltedEngine(seed=20240501)
     stop_prefix, stop_salt = engine.new_key()
-    async with Daemon(config(tmp_path, zport, update_interval="20ms"), tmp_path) as daemon, \
-            SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub:
+    async with engine_and_daemon(tmp_path, update_interval="20ms") as (daemon, pub):
         url = f"{daemon.base}/events/{BACKEND}"
         async with sse(session, url) as steady:
             first = await steady.next()
@@ -427,12 +436,10 @@ async def test_unknown_epoch_after_restart_gets_a_resync_equal_to_the_live_state
 
 async def test_too_old_and_ahead_ids_get_a_resync_the_oldest_kept_one_a_replay(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
-    zport = free_port()
     engine = SaltedEngine(seed=5)
     history = 20
-    cfg = config(tmp_path, zport, history_size=history, max_lag=10, update_interval="0ms")
-    async with Daemon(cfg, tmp_path) as daemon, \
-            SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub:
+    async with engine_and_daemon(tmp_path, history_size=history, max_lag=10,
+                                 update_interval="0ms") as (daemon, pub):
         url = f"{daemon.base}/events/{BACKEND}"
         async with sse(session, url) as early:
             await early.next()
@@ -488,12 +495,9 @@ def small_rcvbuf_socket(addr_info: Any) -> socket.socket:
 
 async def test_slow_consumer_overflows_while_a_fast_one_gets_every_record(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
-    zport = free_port()
     engine = SaltedEngine(seed=3)
     max_lag = 50
-    cfg = config(tmp_path, zport, max_lag=max_lag, update_interval="0ms")
-    async with Daemon(cfg, tmp_path) as daemon, \
-            SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub, \
+    async with engine_and_daemon(tmp_path, max_lag=max_lag, update_interval="0ms") as (daemon, pub), \
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(socket_factory=small_rcvbuf_socket),
                                   read_bufsize=1024) as slow_session:
         url = f"{daemon.base}/events/{BACKEND}"
@@ -543,12 +547,9 @@ async def test_slow_consumer_overflows_while_a_fast_one_gets_every_record(
 
 async def test_one_large_batch_does_not_overflow_a_consumer_that_is_caught_up(
         tmp_path: Path, session: aiohttp.ClientSession) -> None:
-    zport = free_port()
     engine = SaltedEngine(seed=11)
     max_lag = 50
-    cfg = config(tmp_path, zport, max_lag=max_lag, update_interval="0ms")
-    async with Daemon(cfg, tmp_path) as daemon, \
-            SimPublisher(f"tcp://127.0.0.1:{zport}", mode="connect") as pub:
+    async with engine_and_daemon(tmp_path, max_lag=max_lag, update_interval="0ms") as (daemon, pub):
         async with sse(session, f"{daemon.base}/events/{BACKEND}") as fast:
             first = await fast.next()
             assert first.id is not None
