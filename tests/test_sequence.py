@@ -25,7 +25,6 @@ from kv_listener.core.sequence import (
     GapOutcome,
     ReplayStatus,
     SeqAction,
-    SeqDecision,
     SequenceTracker,
     SourceDropReason,
     TrtllmEventStream,
@@ -46,14 +45,16 @@ def observed(*seqs: int) -> SequenceTracker:
     return t
 
 
-def decision(d: SeqDecision) -> tuple[SeqAction, int | None, int]:
+def decide(t: SequenceTracker, seq: int) -> tuple[SeqAction, int | None, int]:
+    """`t` observes `seq`: its action, the seq it expected, the seq it got."""
+    d = t.observe(seq)
     return d.action, d.expected, d.got
 
 
 def test_first_batch_is_applied_as_is_then_in_order() -> None:
     t = SequenceTracker()
     assert t.expected is None
-    assert decision(t.observe(7)) == (SeqAction.APPLY, None, 7)
+    assert decide(t, 7) == (SeqAction.APPLY, None, 7)
     assert t.observe(8).action is SeqAction.APPLY
     assert t.expected == 9
 
@@ -63,17 +64,17 @@ def test_a_seq_that_does_not_continue_the_stream_is_never_a_duplicate() -> None:
     # that has sent as many batches as before minus one, e.g. a real vLLM that sent exactly one
     # batch (seq 0), restarted and sent seq 0 again (issue #10).
     t = observed(0)
-    assert decision(t.observe(0)) == (SeqAction.RESTART, 1, 0)
+    assert decide(t, 0) == (SeqAction.RESTART, 1, 0)
     assert t.expected == 1
     t.observe(1)
     t.observe(2)
-    assert decision(t.observe(2)) == (SeqAction.RESTART, 3, 2)
+    assert decide(t, 2) == (SeqAction.RESTART, 3, 2)
     assert t.observe(3).action is SeqAction.APPLY
 
 
 def test_sequence_going_backwards_is_a_restart_and_restarts_tracking() -> None:
     t = observed(*range(6))
-    assert decision(t.observe(0)) == (SeqAction.RESTART, 6, 0)
+    assert decide(t, 0) == (SeqAction.RESTART, 6, 0)
     assert t.expected == 1
     assert t.observe(1).action is SeqAction.APPLY
 
@@ -81,7 +82,7 @@ def test_sequence_going_backwards_is_a_restart_and_restarts_tracking() -> None:
 def test_gap_does_not_advance_until_filled() -> None:
     t = observed(0)
     d = t.observe(4)
-    assert decision(d) == (SeqAction.GAP, 1, 4)
+    assert (d.action, d.expected, d.got) == (SeqAction.GAP, 1, 4)
     assert t.expected == 1
     plan = t.fill_gap(d, "P4", [(1, "P1"), (2, "P2"), (3, "P3")], ReplayStatus.COMPLETE)
     assert plan.outcome is GapOutcome.FILLED
