@@ -25,6 +25,8 @@ import structlog
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from kv_listener.timer import Deadline
+
 log = structlog.get_logger(__name__)
 
 #: Time a client has to send a whole request line and headers.
@@ -42,43 +44,33 @@ class _GuardedH11Protocol(H11Protocol):
     refused = 0  # connections closed at once (over the cap)
     timed_out = 0  # connections closed because their headers did not arrive in time
 
-    _header_timer: asyncio.TimerHandle | None = None
-
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_deadline = Deadline(self._header_timed_out)
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             type(self).refused += 1
             transport.abort()
             return
-        self._arm_header_timer()
+        self._header_deadline.arm(self.header_timeout_s, self.loop)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
+        self._header_deadline.cancel()
         super().connection_lost(exc)
 
     def handle_events(self) -> None:
         before = self.cycle
         super().handle_events()
         if self.cycle is not before:  # a request's headers are complete
-            self._cancel_header_timer()
+            self._header_deadline.cancel()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing() and self.cycle is not None \
                 and self.cycle.response_complete:
-            self._arm_header_timer()  # the next request on this connection gets the same time
-
-    def _arm_header_timer(self) -> None:
-        self._cancel_header_timer()
-        self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timed_out)
-
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+            # the next request on this connection gets the same time
+            self._header_deadline.arm(self.header_timeout_s, self.loop)
 
     def _header_timed_out(self) -> None:
-        self._header_timer = None
         if self.cycle is None or self.cycle.response_complete:
             type(self).timed_out += 1
             self.transport.close()

@@ -30,6 +30,7 @@ from kv_listener.core.push_session import (
     step,
 )
 from kv_listener.router.bus_auth import Credential
+from kv_listener.timer import Deadline
 
 log = structlog.get_logger(__name__)
 
@@ -145,7 +146,7 @@ class BusStream:
         self._buffered = 0
         self._wake = asyncio.Event()
         self._tail = b""
-        self._attach_timer: asyncio.TimerHandle | None = None
+        self._attach_deadline = Deadline(self._attach_timed_out)
 
     @property
     def ended(self) -> bool:
@@ -186,12 +187,12 @@ class BusStream:
 
     def arm_attach_timer(self, timeout_s: float) -> None:
         """The listener must open the stream within `timeout_s`, or it ends (`attach_timeout`)."""
-        self._attach_timer = asyncio.get_running_loop().call_later(timeout_s, self._attach_timed_out)
+        self._attach_deadline.arm(timeout_s)
 
     def attach(self) -> None:
         self.state = step(STREAM_TABLE, self.state, StreamInput.ATTACH)
         self.attached.set()
-        self._cancel_attach_timer()
+        self._attach_deadline.cancel()
 
     def receive(self, data: bytes) -> None:
         """Bytes of the pushed body."""
@@ -229,17 +230,11 @@ class BusStream:
         if not keep_buffer:
             self._chunks.clear()
             self._buffered = 0
-        self._cancel_attach_timer()
+        self._attach_deadline.cancel()
         self._wake.set()
         self._on_end(self, reason, unsubscribe)
 
-    def _cancel_attach_timer(self) -> None:
-        if self._attach_timer is not None:
-            self._attach_timer.cancel()
-            self._attach_timer = None
-
     def _attach_timed_out(self) -> None:
-        self._attach_timer = None
         if self.state is StreamState.REQUESTED:
             log.warning("bus_stream_attach_timeout", backend=self.backend,
                         stream_id=self.stream_id, session_id=self.session_id)
