@@ -67,6 +67,12 @@ class AuthFailure(enum.StrEnum):
 OVERLAP_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
+def _backend_state(registry: CollectorRegistry, name: str, documentation: str) -> Gauge:
+    """A 0/1 gauge by backend: each configured backend's series exists from 0, and goes with
+    the backend (`RouterMetrics.set_backends`)."""
+    return Gauge(name, documentation, ["backend"], registry=registry)
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, backends: Iterable[str] = ()) -> None:
         self.backends = frozenset(backends)
@@ -85,16 +91,13 @@ class RouterMetrics:
             "Prefix events dropped by the router's consumer, by backend and reason.",
             ["backend", "reason"], registry=registry,
         )
-        self.consumer_connected = Gauge(
-            "continuum_kv_consumer_connected",
-            "1 while the backend's prefix event stream is connected.",
-            ["backend"], registry=registry,
-        )
-        self.lease_held = Gauge(
-            "continuum_kv_writer_lease_held",
-            "1 while this router holds the backend's writer lease (it writes the shared index).",
-            ["backend"], registry=registry,
-        )
+        self.consumer_connected = _backend_state(
+            registry, "continuum_kv_consumer_connected",
+            "1 while the backend's prefix event stream is connected.")
+        self.lease_held = _backend_state(
+            registry, "continuum_kv_writer_lease_held",
+            "1 while this router holds the backend's writer lease (it writes the shared index).")
+        self._backend_states = (self.consumer_connected, self.lease_held)
         self.fallback_active = Gauge(
             "continuum_cache_fallback_active",
             "1 while the Redis KV index serves from its in-memory fallback.",
@@ -110,9 +113,7 @@ class RouterMetrics:
         # Pre-create the series an alert looks at (`continuum_kv_consumer_connected == 0`
         # must fire for a consumer that never connected, not be absent).
         for b in sorted(self.backends):
-            self.consumer_connected.labels(backend=b).set(0)
-            self.lease_held.labels(backend=b).set(0)
-            self._zero_drops(b)
+            self._add_backend(b)
         for d in Decision:
             for t in TierLabel:
                 if d is Decision.FALLBACK and t is not TierLabel.NONE:
@@ -126,17 +127,16 @@ class RouterMetrics:
         (an alert on `== 0` must not fire for a backend that is gone). Counters are kept."""
         new = frozenset(backends)
         for b in sorted(self.backends - new):
-            with contextlib.suppress(KeyError):
-                self.consumer_connected.remove(b)
-            with contextlib.suppress(KeyError):
-                self.lease_held.remove(b)
+            for gauge in self._backend_states:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(b)
         for b in sorted(new - self.backends):
-            self.consumer_connected.labels(backend=b).set(0)
-            self.lease_held.labels(backend=b).set(0)
-            self._zero_drops(b)
+            self._add_backend(b)
         self.backends = new
 
-    def _zero_drops(self, backend: str) -> None:
+    def _add_backend(self, backend: str) -> None:
+        for gauge in self._backend_states:
+            gauge.labels(backend=backend).set(0)
         # Every drop series exists from the start at 0, so `increase()` sees the first drop
         # (a series born at 1 has no earlier sample to rise from).
         for reason in EventDropReason:
