@@ -55,12 +55,18 @@ steps = st.lists(
 State = dict[str, tuple[int, Tier]]
 
 
-def apply(state: State, r: Record) -> None:
-    if r.event is RecordEvent.CACHE_CLEARED:
+def drop(state: State, prefix_hash: str | None, *, everything: bool) -> None:
+    """A clear (`everything`) or the eviction of one prefix: records and transitions alike."""
+    if everything:
         state.clear()
-    elif r.event is RecordEvent.CACHE_EVICTED:
-        assert r.prefix_hash is not None
-        state.pop(r.prefix_hash, None)
+    else:
+        assert prefix_hash is not None
+        state.pop(prefix_hash, None)
+
+
+def apply(state: State, r: Record) -> None:
+    if r.event in (RecordEvent.CACHE_CLEARED, RecordEvent.CACHE_EVICTED):
+        drop(state, r.prefix_hash, everything=r.event is RecordEvent.CACHE_CLEARED)
     else:
         assert r.prefix_hash is not None and r.token_count is not None and r.tier is not None
         state[r.prefix_hash] = (r.token_count, r.tier)
@@ -68,11 +74,8 @@ def apply(state: State, r: Record) -> None:
 
 def truth_apply(state: State, t: PrefixTransition) -> None:
     """The transitions' meaning, with no coalescing and no log in between."""
-    if t.kind is TransitionKind.CLEARED:
-        state.clear()
-    elif t.kind is TransitionKind.EVICTED:
-        assert t.prefix_hash is not None
-        state.pop(t.prefix_hash, None)
+    if t.kind in (TransitionKind.CLEARED, TransitionKind.EVICTED):
+        drop(state, t.prefix_hash, everything=t.kind is TransitionKind.CLEARED)
     else:
         assert t.prefix_hash is not None
         old = state.get(t.prefix_hash)
