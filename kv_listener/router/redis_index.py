@@ -217,16 +217,9 @@ class RedisKvIndex(KvIndex):
 
     @property
     def fallback_active(self) -> bool:
-        return self._fallback_active
-
-    @property
-    def _fallback_active(self) -> bool:
-        # The Redis-only index holds its lookups back exactly while the fallback serves.
+        # The Redis-only index holds its lookups back (`paused`) exactly while the fallback
+        # serves: switching to and from the fallback sets `self.redis.paused`.
         return self.redis.paused
-
-    @_fallback_active.setter
-    def _fallback_active(self, active: bool) -> None:
-        self.redis.paused = active
 
     def add_state_listener(self, callback: Callable[[bool], None]) -> None:
         """`callback(fallback_active)` on every switch to and from the fallback, and
@@ -251,9 +244,9 @@ class RedisKvIndex(KvIndex):
                 log.warning("kv_index_redis_error", op=op, address=self.address,
                             redis_errors=self.redis_errors, suppressed=held, **fields)
             return
-        if self._fallback_active:
+        if self.fallback_active:
             return
-        self._fallback_active = True
+        self.redis.paused = True
         self._healthy.clear()
         self._down_since = self._clock()
         self.probes_failed = 0
@@ -270,7 +263,7 @@ class RedisKvIndex(KvIndex):
         failed-over master may have lost acknowledged writes, so the listeners hear "on Redis"
         (the router resyncs its streams, as after a fallback). Not while the fallback is active
         or its entries are being copied back: the recovery tells the listeners itself."""
-        if self._fallback_active or self._copying is not None:
+        if self.fallback_active or self._copying is not None:
             return
         self.cluster_outages += 1
         self._notify(False)
@@ -316,7 +309,7 @@ class RedisKvIndex(KvIndex):
         # writes until the copy is in Redis, so no newer write lands before an older copy.
         snapshot = fallback.entries() if self.copy_on_recovery else []
         fallback.clear_now()
-        self._fallback_active = False
+        self.redis.paused = False
         copying = self._copying = asyncio.Event()
         try:
             await self.redis.copy_in(snapshot)
@@ -324,7 +317,7 @@ class RedisKvIndex(KvIndex):
             now = self._clock()
             for ph, backend, tier, tokens, age in snapshot:  # oldest first: keeps the order
                 fallback.upsert(ph, backend, tier, tokens, now - age)
-            self._fallback_active = True
+            self.redis.paused = True
             log.warning("kv_index_redis_recovery_failed", address=self.address,
                         outage_s=self._outage_s(), **error_fields(exc))
             return False
@@ -345,7 +338,7 @@ class RedisKvIndex(KvIndex):
     async def apply(self, event: Record) -> None:
         if self._copying is not None:
             await self._copying.wait()
-        if not self._fallback_active:
+        if not self.fallback_active:
             try:
                 await self.redis.apply(event)
                 return
@@ -364,7 +357,7 @@ class RedisKvIndex(KvIndex):
     async def _query(self, prefix_hash: str) -> list[Holder]:
         if not is_prefix_hash(prefix_hash):
             return []  # never build a key from something that is not a prefix hash
-        if not self._fallback_active:
+        if not self.fallback_active:
             # None: the round trip failed (counted through `_failed`) or the fallback took over
             holders = await self.redis.lookup(prefix_hash)
             if holders is not None:
@@ -376,7 +369,7 @@ class RedisKvIndex(KvIndex):
 
     async def stats(self) -> IndexStats:
         """Counts come from a SCAN of the key prefix: O(entries), meant for the admin API."""
-        if not self._fallback_active:
+        if not self.fallback_active:
             try:
                 s = await self.redis.stats()
             except REDIS_ERRORS as exc:
@@ -392,7 +385,7 @@ class RedisKvIndex(KvIndex):
         """Delete every key under the key prefix (`RedisOnlyKvIndex.clear`: other routers sharing
         this Redis lose their index too). Also empties the fallback."""
         fb = self._fallback.clear_now() if self._fallback is not None else ClearResult(0, 0)
-        if self._fallback_active:
+        if self.fallback_active:
             return fb
         try:
             redis = await self.redis.clear()
@@ -404,7 +397,7 @@ class RedisKvIndex(KvIndex):
             cleared_entries=redis.cleared_entries + fb.cleared_entries)
 
     async def cleanup_expired(self) -> int:
-        if self._fallback_active:
+        if self.fallback_active:
             assert self._fallback is not None
             return self._fallback.cleanup_now()
         return await self.redis.cleanup_expired()  # a failure reaches `_failed`
