@@ -22,6 +22,7 @@ from kv_listener.router.config import (
     load_router_config,
     parse_router_config,
 )
+from kv_listener.router.redis_index import RedisKvIndex
 from tests.conftest import ROOT
 from tests.support.config_errors import error_helpers
 
@@ -387,6 +388,19 @@ def test_redis_cluster_switch() -> None:
         "response_cache.redis.cluster: expected a boolean")
 
 
+def test_redis_probe_interval() -> None:
+    assert parse_router_config(redis_raw()).redis.probe_interval_ms == 30000  # type: ignore[union-attr]
+    assert parse_router_config(redis_raw(probe_interval_ms=250)).redis.probe_interval_ms == 250  # type: ignore[union-attr]
+    assert one_error(redis_raw(probe_interval_ms=50)).startswith(
+        "response_cache.redis.probe_interval_ms: must be between 100 and 3600000")
+    # ... and it is the index's probe interval (an explicit argument still wins).
+    cfg = parse_router_config(redis_raw(probe_interval_ms=250))
+    assert cfg.redis is not None
+    assert RedisKvIndex.from_config(cfg.redis, cfg.kv_cache_index).probe_interval_s == 0.25
+    assert RedisKvIndex.from_config(cfg.redis, cfg.kv_cache_index,
+                                    probe_interval_s=2.0).probe_interval_s == 2.0
+
+
 def lease_raw(**lease: Any) -> dict[str, Any]:
     raw = redis_raw()
     raw["kv_cache_index"]["writer_lease"] = lease
@@ -518,6 +532,7 @@ def test_example_file_mentions_every_option() -> None:
         "url", "ca_file", "username", "password_file", "password_env", "pool_size",
         "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory", "admin", "log", "level",
         "format", "cluster", "failover_wait_ms", "writer_lease", "ttl_ms", "renew_interval_ms", "holder_id",
+        "probe_interval_ms",
     }
     present = set(re.findall(r"^\s*(?:-\s+|#\s*-?\s*)?([a-z_]+):", text, re.MULTILINE))
     assert keys - present == set()

@@ -9,6 +9,8 @@ the rest of the router file (`router.config` re-exports both types).
   one transaction on one slot; `failover_wait_ms` (default 15 s, Redis' default
   `cluster-node-timeout`) is how long writes retry through a slot move or a master's failover
   before the in-memory fallback takes over (0: at the first error, as with one server).
+- `probe_interval_ms` (default 30 s, the seed's): while the fallback holds the index, how often
+  Redis is PINGed to see whether it is back.
 - `kv_cache_index.writer_lease`: while enabled (only with `backend: redis`), a router consumes a
   backend's stream and writes its entries only while it holds that backend's lease in Redis
   (`SET <key_prefix>lease:<backend> <holder_id> NX PX ttl_ms`, renewed every
@@ -48,6 +50,7 @@ class RedisConfig:
     fallback_to_memory: bool = True
     cluster: bool = False  # the URL names any startup node of a Redis Cluster
     failover_wait_ms: int = 15000  # cluster: how long writes retry through a failover
+    probe_interval_ms: int = 30000  # in the fallback: how often Redis is asked whether it is back
 
     @property
     def use_tls(self) -> bool:
@@ -73,7 +76,7 @@ def parse_redis(r: Reader, raw: Any) -> RedisConfig:
     d = RedisConfig()
     allowed = {"url", "tls", "ca_file", "username", "password_file", "password_env", "pool_size",
                "connect_timeout_ms", "command_timeout_ms", "fallback_to_memory", "cluster",
-               "failover_wait_ms"}
+               "failover_wait_ms", "probe_interval_ms"}
     data = r.mapping(raw, p, allowed)
     url = r.typed(data, "url", p, str, d.url)
     check_url(r, f"{p}.url", url, ("redis", "rediss"))
@@ -97,6 +100,8 @@ def parse_redis(r: Reader, raw: Any) -> RedisConfig:
         fallback_to_memory=r.typed(data, "fallback_to_memory", p, bool, True),
         cluster=cluster,
         failover_wait_ms=r.int_range(data, "failover_wait_ms", p, d.failover_wait_ms, 0, 600_000),
+        probe_interval_ms=r.int_range(data, "probe_interval_ms", p, d.probe_interval_ms, 100,
+                                      3_600_000),
     )
 
 

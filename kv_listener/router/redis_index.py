@@ -7,9 +7,10 @@ Owns: the fallback policy, the Redis connection built from `response_cache.redis
 Fallback (the seed's "automatic fallback"): the first Redis error (connection refused, timeout)
 switches the index to an in-memory `InMemoryKvIndex` (`max_entries`, same TTL), sets
 `continuum_cache_fallback_active` to 1, and starts a probe that PINGs Redis every
-`probe_interval_s` (30 s by default, as in the seed). When Redis answers again the entries written
-during the fallback are copied into Redis (upserts with a fresh TTL; writes wait until the copy
-is done so a newer event is never overwritten by an older copy), the fallback is emptied, the
+`probe_interval_s` (`response_cache.redis.probe_interval_ms`, 30 s by default, as in the seed).
+When Redis answers again the entries written during the fallback are copied into Redis (upserts
+with a fresh TTL; writes wait until the copy is done so a newer event is never overwritten by an
+older copy), the fallback is emptied, the
 gauge returns to 0, and state listeners are told (`add_state_listener`). What the copy cannot
 repair: removals that happened during the outage of entries Redis held from before it (Redis kept
 them); such entries live until their TTL unless the consumers resync their streams (a resync
@@ -142,12 +143,12 @@ class RedisKvIndex(KvIndex):
         kv_cfg: KvCacheIndexConfig,
         *,
         metrics: RouterMetrics | None = None,
-        probe_interval_s: float = 30.0,
+        probe_interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         log_repeat_interval_s: float = LOG_REPEAT_INTERVAL_S,
     ) -> RedisKvIndex:
-        """Build the client from `response_cache.redis` (a cluster client with `cluster: true`).
-        Raises ConfigError (password file)."""
+        """Build the client from `response_cache.redis` (a cluster client with `cluster: true`;
+        `probe_interval_s` None: its `probe_interval_ms`). Raises ConfigError (password file)."""
         url = redis_cfg.url
         if redis_cfg.tls and url.startswith("redis://"):
             url = "rediss://" + url.removeprefix("redis://")
@@ -182,7 +183,9 @@ class RedisKvIndex(KvIndex):
             client, key_prefix=kv_cfg.key_prefix,
             entry_ttl_seconds=kv_cfg.entry_ttl_seconds, offloading=kv_cfg.storage_offloading,
             fallback_to_memory=redis_cfg.fallback_to_memory, max_entries=kv_cfg.max_entries,
-            metrics=metrics, probe_interval_s=probe_interval_s, clock=clock,
+            metrics=metrics, clock=clock,
+            probe_interval_s=(redis_cfg.probe_interval_ms / 1000 if probe_interval_s is None
+                              else probe_interval_s),
             log_repeat_interval_s=log_repeat_interval_s, cluster=redis_cfg.cluster,
             failover_wait_s=redis_cfg.failover_wait_ms / 1000,
             copy_on_recovery=not kv_cfg.writer_lease.enabled,
@@ -412,7 +415,7 @@ class RedisKvIndex(KvIndex):
 
 
 def build_index(config: RouterConfig, *, metrics: RouterMetrics | None = None,
-                probe_interval_s: float = 30.0) -> KvIndex:
+                probe_interval_s: float | None = None) -> KvIndex:
     """The index `kv_cache_index.backend` asks for (Redis settings from `response_cache.redis`).
     Raises ConfigError when the Redis password file cannot be read."""
     kv = config.kv_cache_index

@@ -336,8 +336,9 @@ def router_config(listener: str, backends: Iterable[str], admin_port: int,
                            "log": {"level": "info", "format": "json"}}
     if redis_url is not None:
         kv["backend"] = "redis"
+        # A probe every second, not the default 30 s: the Redis fault tests wait for recovery.
         doc["response_cache"] = {"redis": {"url": redis_url, "command_timeout_ms": 500,
-                                           "connect_timeout_ms": 500}}
+                                           "connect_timeout_ms": 500, "probe_interval_ms": 1000}}
     return doc
 
 
