@@ -53,6 +53,16 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
+async def lease_redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    """A client of that server with 0.5 s timeouts, as a router's writer lease uses one: a hung
+    server (`CLIENT PAUSE`) shows as timeouts, not as a wait (tests of router/lease.py)."""
+    client = Redis.from_url(redis_server.url, decode_responses=True, socket_timeout=0.5,
+                            socket_connect_timeout=0.5)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
 async def raw_redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
     """A plain client of that server, to look at the keys an index wrote."""
     client = Redis.from_url(redis_server.url, decode_responses=True)

@@ -12,7 +12,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import pytest
 from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
@@ -27,14 +26,6 @@ B = "vllm-1"
 KEY = f"cr:kvidx:lease:{B}"
 TIMEOUT_S = 10.0
 RENEW_MS = 100
-
-
-@pytest.fixture
-async def client(redis_server: RedisServer) -> AsyncIterator[Redis]:
-    c = Redis.from_url(redis_server.url, decode_responses=True, socket_timeout=0.5,
-                       socket_connect_timeout=0.5)
-    yield c
-    await c.aclose()
 
 
 async def until(pred: Callable[[], bool | Awaitable[bool]], what: str,
@@ -70,39 +61,39 @@ def role(m: KvEventConsumerManager) -> str:
     return m.lease_status(B)[0]
 
 
-async def test_only_the_writer_consumes_and_a_regained_lease_resyncs(client: Redis) -> None:
+async def test_only_the_writer_consumes_and_a_regained_lease_resyncs(lease_redis: Redis) -> None:
     """Router a consumes (ids 1-1, 1-2); b, a standby, never connects. The lease taken by someone
     else stops a's consumer; regained, a connects WITHOUT its last event ID: the listener
     resyncs, so the shared index is right whatever the other writer did meanwhile."""
     applied_a, applied_b = Applied(), Applied()
     async with ScriptedServer([Conn([created(P1, "1-1"), created(P2, "1-2"), HOLD])]) as server:
-        async with router(client, "router-a", server.url(), applied_a) as a:
+        async with router(lease_redis, "router-a", server.url(), applied_a) as a:
             assert await server.next_request() is None
             assert [r.id for r in await applied_a.take(2)] == ["1-1", "1-2"]
             assert role(a) == "writer" and a.state(B).last_event_id == "1-2"
-            async with router(client, "router-b", server.url(), applied_b) as b:
+            async with router(lease_redis, "router-b", server.url(), applied_b) as b:
                 await until(lambda: b.lease_status(B) == ("standby", "router-a"), "b standby")
                 assert not running(b) and server.requests.empty() and not applied_b.records
-                await client.set(KEY, "router-x", px=5_000)
+                await lease_redis.set(KEY, "router-x", px=5_000)
                 await until(lambda: not running(a), "a stops when its lease is taken")
                 assert a.lease_status(B) == ("standby", "router-x")
                 await b.stop()  # only a contends from here
-            await client.delete(KEY)
+            await lease_redis.delete(KEY)
             assert await server.next_request() is None  # not "1-2": a full resync
             await until(lambda: role(a) == "writer" and running(a), "a writes again")
-            assert await client.get(KEY) == "router-a"
+            assert await lease_redis.get(KEY) == "router-a"
 
 
 async def test_a_stopped_writer_hands_over_at_once_and_its_successor_resyncs(
-    client: Redis,
+    lease_redis: Redis,
 ) -> None:
     """stop() gives the lease back (no wait for the 5 s ttl): the standby takes over within a
     renew interval or so and reads the stream from a resync."""
     applied_a, applied_b = Applied(), Applied()
     scripts = [Conn([created(P1, "1-1"), HOLD]), Conn([created(P2), HOLD])]
     async with ScriptedServer(scripts) as server:
-        a = router(client, "router-a", server.url(), applied_a)
-        b = router(client, "router-b", server.url(), applied_b)
+        a = router(lease_redis, "router-a", server.url(), applied_a)
+        b = router(lease_redis, "router-b", server.url(), applied_b)
         try:
             a.start()
             assert await server.next_request() is None
@@ -124,22 +115,22 @@ async def test_a_stopped_writer_hands_over_at_once_and_its_successor_resyncs(
             await b.stop()
 
 
-async def test_removing_the_source_releases_its_lease(client: Redis) -> None:
+async def test_removing_the_source_releases_its_lease(lease_redis: Redis) -> None:
     applied_a, applied_b = Applied(), Applied()
     async with ScriptedServer() as server:
-        async with router(client, "router-a", server.url(), applied_a) as a, \
-                router(client, "router-b", server.url(), applied_b) as b:
+        async with router(lease_redis, "router-a", server.url(), applied_a) as a, \
+                router(lease_redis, "router-b", server.url(), applied_b) as b:
             await until(lambda: role(a) == "writer" or role(b) == "writer", "a writer")
             writer, other = (a, b) if role(a) == "writer" else (b, a)
             holder = writer.lease.holder_id if writer.lease is not None else ""
-            assert await client.get(KEY) == holder
+            assert await lease_redis.get(KEY) == holder
             assert await writer.remove_source(B)
             await until(lambda: role(other) == "writer", "the other router takes over")
-            assert await client.get(KEY) != holder
+            assert await lease_redis.get(KEY) != holder
 
 
 async def test_the_fallback_makes_every_router_consume_then_the_lease_rule_returns(
-    client: Redis,
+    lease_redis: Redis,
 ) -> None:
     """`consume_all(True)` (the Redis index fell back to memory: each router's own copy starts
     empty) runs the standby's consumer too, from a resync; `consume_all(False)` stops it again
@@ -147,10 +138,10 @@ async def test_the_fallback_makes_every_router_consume_then_the_lease_rule_retur
     applied_a, applied_b = Applied(), Applied()
     scripts = [Conn([created(P1, "1-1"), HOLD]), Conn([created(P1), created(P3), HOLD])]
     async with ScriptedServer(scripts) as server:
-        async with router(client, "router-a", server.url(), applied_a) as a:
+        async with router(lease_redis, "router-a", server.url(), applied_a) as a:
             assert await server.next_request() is None
             await applied_a.take(1)
-            async with router(client, "router-b", server.url(), applied_b) as b:
+            async with router(lease_redis, "router-b", server.url(), applied_b) as b:
                 await until(lambda: role(b) == "standby" and b.lease_status(B)[1] == "router-a",
                             "b standby")
                 await b.consume_all(True)
@@ -164,7 +155,7 @@ async def test_the_fallback_makes_every_router_consume_then_the_lease_rule_retur
 
 
 async def test_a_writer_whose_index_fell_back_hands_its_lease_to_a_router_that_can_write(
-    client: Redis,
+    lease_redis: Redis,
 ) -> None:
     """The writer's index falls back to memory (its own Redis connection failed) while Redis
     serves the others: it keeps consuming into its fallback, but gives the lease back and does
@@ -175,10 +166,10 @@ async def test_a_writer_whose_index_fell_back_hands_its_lease_to_a_router_that_c
     scripts = [Conn([created(P1, "1-1"), HOLD]), Conn([created(P1), HOLD]),
                Conn([created(P1), created(P3), HOLD])]
     async with ScriptedServer(scripts) as server:
-        async with router(client, "router-a", server.url(), applied_a) as a:
+        async with router(lease_redis, "router-a", server.url(), applied_a) as a:
             assert await server.next_request() is None
             await applied_a.take(1)
-            async with router(client, "router-b", server.url(), applied_b) as b:
+            async with router(lease_redis, "router-b", server.url(), applied_b) as b:
                 await until(lambda: b.lease_status(B) == ("standby", "router-a"), "b standby")
                 with capture_logs() as logs:
                     await a.consume_all(True)
@@ -194,11 +185,11 @@ async def test_a_writer_whose_index_fell_back_hands_its_lease_to_a_router_that_c
                 assert not running(a)
                 await until(lambda: a.lease_status(B) == ("standby", "router-b"),
                             "a contends again and is refused")
-                assert role(b) == "writer" and await client.get(KEY) == "router-b"
+                assert role(b) == "writer" and await lease_redis.get(KEY) == "router-b"
 
 
 async def test_a_hung_redis_stops_the_writers_consumer_within_its_lease_and_it_resumes(
-    client: Redis, redis_server: RedisServer,
+    lease_redis: Redis, redis_server: RedisServer,
 ) -> None:
     """`CLIENT PAUSE` (commands hang): a stops consuming before its 1 s lease could expire in
     Redis, so no two routers ever write together; once Redis answers it takes the lease again
@@ -208,7 +199,7 @@ async def test_a_hung_redis_stops_the_writers_consumer_within_its_lease_and_it_r
     scripts = [Conn([created(P1, "1-1"), HOLD]), Conn([created(P2), HOLD])]
     try:
         async with ScriptedServer(scripts) as server:
-            async with router(client, "router-a", server.url(), applied, ttl_ms=1_000) as a:
+            async with router(lease_redis, "router-a", server.url(), applied, ttl_ms=1_000) as a:
                 assert await server.next_request() is None
                 await applied.take(1)
                 await admin.execute_command("CLIENT", "PAUSE", 2_000, "ALL")
@@ -242,7 +233,7 @@ class Announcer:
 
 
 async def test_an_event_bus_source_is_contended_only_while_a_session_announces_it(
-    client: Redis,
+    lease_redis: Redis,
 ) -> None:
     """Push mode: only a router a listener's session is attached to can read the stream, so only
     it contends; when the session goes, it gives the lease back at once (not after the ttl),
@@ -262,19 +253,19 @@ async def test_an_event_bus_source_is_contended_only_while_a_session_announces_i
 
     applied = Applied()
     cfg = source(None, interval_ms=50, transport=Transport.EVENT_BUS)
-    async with router(client, "router-a", None, applied, cfg=cfg, announcer=bus,
+    async with router(lease_redis, "router-a", None, applied, cfg=cfg, announcer=bus,
                       open_announced_stream=open_announced_stream) as a:
         # Nothing announces it: no contention at all (the absence is watched for 5 intervals).
         await asyncio.sleep(5 * RENEW_MS / 1000)
-        assert a._keepers[B].state is LeaseState.STANDBY and await client.exists(KEY) == 0
+        assert a._keepers[B].state is LeaseState.STANDBY and await lease_redis.exists(KEY) == 0
         await bus.set(B)
         assert await asyncio.wait_for(opened.get(), TIMEOUT_S) is None
         assert [r.id for r in await applied.take(1)] == ["bus-1"]
-        assert await client.get(KEY) == "router-a"
+        assert await lease_redis.get(KEY) == "router-a"
         with capture_logs() as logs:
             await bus.set()
             took = await until(lambda: not running(a), "the consumer stops")
-            assert await client.exists(KEY) == 0
+            assert await lease_redis.exists(KEY) == 0
         assert took < 5.0 / 2, took  # the gate's poll, not the ttl
         assert any(r["event"] == "kv_writer_lease_released" and r["reason"] == "no_session"
                    for r in logs)

@@ -48,13 +48,6 @@ def lease_for(client: Any, holder: str, *, ttl_ms: int = 10_000,
                        renew_interval_ms=renew_ms)
 
 
-@pytest.fixture
-async def client(redis_server: RedisServer) -> AsyncIterator[Redis]:
-    c = Redis.from_url(redis_server.url, decode_responses=True, socket_timeout=0.5,
-                       socket_connect_timeout=0.5)
-    yield c
-    await c.aclose()
-
 
 async def until(pred: Callable[[], bool], timeout_s: float = TIMEOUT_S, what: str = "") -> float:
     """Wait (bounded) for a condition no event announces; returns the seconds it took."""
@@ -83,54 +76,54 @@ async def expired(client: Redis, key: str) -> None:
 
 
 async def test_acquire_refuses_a_second_holder_renew_and_release_by_the_holder_only(
-    client: Redis,
+    lease_redis: Redis,
 ) -> None:
-    a, b = lease_for(client, "router-a"), lease_for(client, "router-b")
+    a, b = lease_for(lease_redis, "router-a"), lease_for(lease_redis, "router-b")
     key = a.key(B)
     assert key == "cr:kvidx:lease:vllm-1"
     assert await a.holder(B) is None
     assert (await a.acquire(B)).held
-    assert await client.get(key) == "router-a"
-    assert 9_000 < await client.pttl(key) <= 10_000
+    assert await lease_redis.get(key) == "router-a"
+    assert 9_000 < await lease_redis.pttl(key) <= 10_000
     refused = await b.acquire(B)
     assert (refused.held, refused.holder) == (False, "router-a")
     assert (await b.renew(B)).held is False
     assert await b.release(B) is False  # not b's to give back
     assert await b.holder(B) == "router-a"
-    await client.pexpire(key, 2_000)
+    await lease_redis.pexpire(key, 2_000)
     renewed = await a.renew(B)
     assert (renewed.held, renewed.holder) == (True, "router-a")
-    assert await client.pttl(key) > 9_000
+    assert await lease_redis.pttl(key) > 9_000
     again = await a.acquire(B)  # the holder acquiring again: a renewal
     assert (again.held, again.holder) == (True, "router-a")
     assert await a.release(B) is True
-    assert await client.exists(key) == 0
+    assert await lease_redis.exists(key) == 0
     assert (await b.acquire(B)).held
     assert await a.holder(B) == "router-b"
-    other = lease_for(client, "router-a")  # backends are independent
+    other = lease_for(lease_redis, "router-a")  # backends are independent
     assert (await other.acquire("vllm-2")).held
-    assert await client.get(other.key("vllm-2")) == "router-a"
+    assert await lease_redis.get(other.key("vllm-2")) == "router-a"
 
 
-async def test_expired_lease_is_taken_over(client: Redis) -> None:
-    a, b = lease_for(client, "router-a", ttl_ms=300), lease_for(client, "router-b", ttl_ms=300)
+async def test_expired_lease_is_taken_over(lease_redis: Redis) -> None:
+    a, b = lease_for(lease_redis, "router-a", ttl_ms=300), lease_for(lease_redis, "router-b", ttl_ms=300)
     assert (await a.acquire(B)).held
     assert not (await b.acquire(B)).held
-    await expired(client, a.key(B))
+    await expired(lease_redis, a.key(B))
     assert (await b.acquire(B)).held
     lost = await a.renew(B)  # the old holder finds the new one
     assert (lost.held, lost.holder) == (False, "router-b")
 
 
-async def test_renewing_a_vanished_key_sets_it_again(client: Redis) -> None:
+async def test_renewing_a_vanished_key_sets_it_again(lease_redis: Redis) -> None:
     """A clear of the key prefix (or a Redis restarted empty) took the key: nobody else holds
     it, the writer keeps it."""
-    a = lease_for(client, "router-a")
+    a = lease_for(lease_redis, "router-a")
     assert (await a.acquire(B)).held
-    await client.delete(a.key(B))
+    await lease_redis.delete(a.key(B))
     assert (await a.renew(B)).held
-    assert await client.get(a.key(B)) == "router-a"
-    assert await client.pttl(a.key(B)) > 9_000
+    assert await lease_redis.get(a.key(B)) == "router-a"
+    assert await lease_redis.pttl(a.key(B)) > 9_000
 
 
 async def test_on_a_redis_cluster(redis_cluster: LocalRedisCluster) -> None:
@@ -218,12 +211,12 @@ def keeper(lease: WriterLease, writes: Writes, **kwargs: Any) -> LeaseKeeper:
     return k
 
 
-async def test_one_writer_and_takeover_when_the_writer_dies(client: Redis) -> None:
+async def test_one_writer_and_takeover_when_the_writer_dies(lease_redis: Redis) -> None:
     wa, wb = Writes(), Writes()
     with capture_logs() as logs:
-        ka = keeper(lease_for(client, "router-a", ttl_ms=600, renew_ms=150), wa)
+        ka = keeper(lease_for(lease_redis, "router-a", ttl_ms=600, renew_ms=150), wa)
         assert await wa.next() is True
-        kb = keeper(lease_for(client, "router-b", ttl_ms=600, renew_ms=150), wb)
+        kb = keeper(lease_for(lease_redis, "router-b", ttl_ms=600, renew_ms=150), wb)
         await until(lambda: kb.holder == "router-a")
         assert kb.state is not LeaseState.WRITER and not wb.writing
         assert ka.is_writer and not wb.writing
@@ -234,11 +227,11 @@ async def test_one_writer_and_takeover_when_the_writer_dies(client: Redis) -> No
         assert await wb.next() is True
         took = time.monotonic() - died
         assert kb.is_writer and kb.holder == "router-b"
-        assert await client.get("cr:kvidx:lease:vllm-1") == "router-b"
+        assert await lease_redis.get("cr:kvidx:lease:vllm-1") == "router-b"
         assert 0.3 < took < 0.6 + 0.15 + 0.5, took  # within ttl + renew interval (+ slack)
         await kb.close("shutdown")
         assert await wb.next() is False
-        assert await client.exists("cr:kvidx:lease:vllm-1") == 0
+        assert await lease_redis.exists("cr:kvidx:lease:vllm-1") == 0
     acquired = [r for r in logs if r["event"] == "kv_writer_lease_acquired"]
     assert [(r["holder_id"], r["previous_holder"]) for r in acquired] == [
         ("router-a", None), ("router-b", "router-a")]
@@ -251,29 +244,29 @@ KEY = f"{PREFIX}lease:{B}"
 
 
 async def test_a_writer_whose_lease_another_holder_took_stops_at_its_next_renewal(
-    client: Redis,
+    lease_redis: Redis,
 ) -> None:
     """A failover that lost the key, or an operator, lets another router hold it: the writer
     stops writing at its next renewal (not at the end of its ttl) and stays a standby while the
     other holds it."""
     w = Writes()
     with capture_logs() as logs:
-        k = keeper(lease_for(client, "router-a", ttl_ms=5_000, renew_ms=100), w)
+        k = keeper(lease_for(lease_redis, "router-a", ttl_ms=5_000, renew_ms=100), w)
         assert await w.next() is True
-        await client.set(KEY, "router-x", px=5_000)
+        await lease_redis.set(KEY, "router-x", px=5_000)
         taken = time.monotonic()
         assert await w.next() is False
         assert time.monotonic() - taken < 0.1 + 0.5  # one renew interval (+ slack), not the ttl
         await until(lambda: k.holder == "router-x" and k.state is LeaseState.STANDBY)
         await until(lambda: k.state is LeaseState.ACQUIRING)  # it goes on asking ...
         await until(lambda: k.state is LeaseState.STANDBY)
-        assert not w.writing and await client.get(KEY) == "router-x"  # ... and is refused
+        assert not w.writing and await lease_redis.get(KEY) == "router-x"  # ... and is refused
     lost = [r for r in logs if r["event"] == "kv_writer_lease_lost"]
     assert [(r["reason"], r["holder"]) for r in lost] == [("taken", "router-x")]
 
 
 async def test_a_hung_redis_stops_the_writer_before_its_lease_can_expire_then_it_takes_it_again(
-    client: Redis, redis_server: RedisServer,
+    lease_redis: Redis, redis_server: RedisServer,
 ) -> None:
     """Redis stops answering (`CLIENT PAUSE`: connections stay open, commands hang): renewals
     time out, the writer goes on writing for what is left of its lease's validity (never longer:
@@ -283,7 +276,7 @@ async def test_a_hung_redis_stops_the_writer_before_its_lease_can_expire_then_it
     admin = Redis.from_url(redis_server.url, decode_responses=True)
     try:
         with capture_logs() as logs:
-            k = keeper(lease_for(client, "router-a", ttl_ms=1_000, renew_ms=100), w)
+            k = keeper(lease_for(lease_redis, "router-a", ttl_ms=1_000, renew_ms=100), w)
             assert await w.next() is True
             await admin.execute_command("CLIENT", "PAUSE", 2_500, "ALL")
             paused = time.monotonic()
@@ -294,7 +287,7 @@ async def test_a_hung_redis_stops_the_writer_before_its_lease_can_expire_then_it
             assert k.state is not LeaseState.WRITER
             assert await w.next(timeout_s=5.0) is True  # Redis answers again: ours again
             assert time.monotonic() - paused >= 2.4
-            assert await client.get(KEY) == "router-a"
+            assert await lease_redis.get(KEY) == "router-a"
         lost = [r for r in logs if r["event"] == "kv_writer_lease_lost"]
         assert [r["reason"] for r in lost] == ["expired"]
         assert any(r["event"] == "kv_writer_lease_redis_error" and r["op"] == "renew"
@@ -304,13 +297,13 @@ async def test_a_hung_redis_stops_the_writer_before_its_lease_can_expire_then_it
 
 
 async def test_a_stopped_redis_ends_the_lease_at_its_validity_and_an_empty_one_is_taken_again(
-    client: Redis, redis_server: RedisServer,
+    lease_redis: Redis, redis_server: RedisServer,
 ) -> None:
     """Connections refused (Redis stopped): the same as a hung one, with errors at once instead
     of timeouts; the Redis that comes back empty has no key, so the lease is taken again."""
     w = Writes()
     with capture_logs() as logs:
-        keeper(lease_for(client, "router-a", ttl_ms=800, renew_ms=100), w)
+        keeper(lease_for(lease_redis, "router-a", ttl_ms=800, renew_ms=100), w)
         assert await w.next() is True
         await asyncio.to_thread(redis_server.stop)
         stopped_at = time.monotonic()
@@ -319,13 +312,13 @@ async def test_a_stopped_redis_ends_the_lease_at_its_validity_and_an_empty_one_i
             time.monotonic() - stopped_at)
         await asyncio.to_thread(redis_server.start)
         assert await w.next(timeout_s=5.0) is True
-        assert await client.get(KEY) == "router-a"
+        assert await lease_redis.get(KEY) == "router-a"
     errors = [r for r in logs if r["event"] == "kv_writer_lease_redis_error"]
     assert errors and len(errors) < 5, "an unchanged error is logged once, then throttled"
 
 
 async def test_with_the_lease_a_recovered_fallback_is_not_copied_into_redis(
-    redis_server: RedisServer, client: Redis,
+    redis_server: RedisServer, lease_redis: Redis,
 ) -> None:
     """A router in its fallback holds no lease (router.consumer); the writers kept Redis right.
     Its fallback, filled from its own stream, may lag theirs: copied back, it would bring back
@@ -346,7 +339,7 @@ async def test_with_the_lease_a_recovered_fallback_is_not_copied_into_redis(
             await asyncio.to_thread(redis_server.start)
             await asyncio.wait_for(idx.wait_recovered(), TIMEOUT_S)
         assert not idx.fallback_active
-        assert await client.exists(f"{PREFIX}{P1}") == 0 and await idx.query(P1) == []
+        assert await lease_redis.exists(f"{PREFIX}{P1}") == 0 and await idx.query(P1) == []
         recovered = [r for r in logs if r["event"] == "kv_index_redis_recovered"]
         assert [r["copied_entries"] for r in recovered] == [0]
     finally:
@@ -354,10 +347,10 @@ async def test_with_the_lease_a_recovered_fallback_is_not_copied_into_redis(
 
 
 async def test_clearing_the_index_keeps_the_leases(redis_server: RedisServer,
-                                                   client: Redis) -> None:
+                                                   lease_redis: Redis) -> None:
     """`POST /admin/kv-index/clear` empties the index, not the leases: a live writer keeps its
     backend (deleting the key would let a standby take it over, with a resync, for nothing)."""
-    lease = lease_for(client, "router-a")
+    lease = lease_for(lease_redis, "router-a")
     assert (await lease.acquire(B)).held
     idx = RedisKvIndex.from_config(
         RedisConfig(url=redis_server.url, connect_timeout_ms=500, command_timeout_ms=500),
@@ -368,7 +361,7 @@ async def test_clearing_the_index_keeps_the_leases(redis_server: RedisServer,
         result = await idx.clear()
         assert (result.entries_before_clear, result.cleared_entries) == (1, 1)
         assert await idx.query(P1) == []
-        assert await client.get(KEY) == "router-a"
-        assert await client.keys(f"{PREFIX}*") == [KEY]
+        assert await lease_redis.get(KEY) == "router-a"
+        assert await lease_redis.keys(f"{PREFIX}*") == [KEY]
     finally:
         await idx.close()
