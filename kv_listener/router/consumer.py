@@ -183,8 +183,8 @@ class KvEventConsumerManager:
         self.lease = lease
         self.announcer = announcer
         self._keepers: dict[str, LeaseKeeper] = {}
-        self._consume_all = False
-        self._index_writable = asyncio.Event()  # not consuming all: the gates may open
+        # Set unless consuming all (`consume_all`): the lease gates wait on it.
+        self._index_writable = asyncio.Event()
         self._index_writable.set()
         for cfg in sources:
             if cfg.backend_name in self._configs:
@@ -247,6 +247,10 @@ class KvEventConsumerManager:
             keeper.start()
         if self._wants_runner(name):
             self._spawn(name)
+
+    @property
+    def _consume_all(self) -> bool:
+        return not self._index_writable.is_set()
 
     def _wants_runner(self, name: str) -> bool:
         if self.lease is None or self._consume_all:
@@ -338,12 +342,14 @@ class KvEventConsumerManager:
         in-memory fallback, which only this router's own streams fill), each from a resync,
         and closes every lease gate (writers give their leases back, standbys stop contending);
         `False` opens the gates and stops again the sources this router does not hold."""
-        if self.lease is None or active == self._consume_all:
-            self._consume_all = active
-            return
-        self._consume_all = active
+        changed = active != self._consume_all
         if active:
             self._index_writable.clear()  # the keepers' gates close: writers give leases back
+        else:
+            self._index_writable.set()
+        if self.lease is None or not changed:
+            return
+        if active:
             # The fallback starts empty: every source, the ones this router writes included,
             # fills it from a resync.
             await _cancel_all([self._runners.pop(n) for n in list(self._runners)])
@@ -353,7 +359,6 @@ class KvEventConsumerManager:
                     self._spawn(name)
             log.info("kv_consumers_consume_all", reason="index_fallback", sources=len(self._runners))
             return
-        self._index_writable.set()
         stopping = [self._runners.pop(n) for n in list(self._runners) if not self._wants_runner(n)]
         await _cancel_all(stopping)
         log.info("kv_consumers_lease_rule", reason="index_recovered", stopped=len(stopping))
