@@ -52,7 +52,7 @@ import structlog
 
 from kv_listener.router.config_redis import WriterLeaseConfig, default_holder_id
 from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S, LogThrottle, error_fields
-from kv_listener.router.redis_store import REDIS_ERRORS
+from kv_listener.router.redis_store import LEASE_KEYS, REDIS_ERRORS
 
 log = structlog.get_logger(__name__)
 
@@ -125,7 +125,7 @@ class WriterLease:
         return self.ttl_s * (1 - DRIFT_FACTOR) - 0.002
 
     def key(self, backend: str) -> str:
-        return f"{self.key_prefix}lease:{backend}"
+        return f"{self.key_prefix}{LEASE_KEYS}{backend}"
 
     async def acquire(self, backend: str) -> LeaseResult:
         """Take the lease when nobody holds it (or renew it when this holder does). Raises the

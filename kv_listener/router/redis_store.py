@@ -77,7 +77,7 @@ from kv_listener.router.index import (
 from kv_listener.router.oplog import error_fields
 from kv_listener.router.redis_lookups import LOOKUP_BATCH, LookupBatcher, as_str
 
-__all__ = ["LOOKUP_BATCH", "REDIS_ERRORS", "IndexUnavailableError", "RedisOnlyKvIndex",
+__all__ = ["LEASE_KEYS", "LOOKUP_BATCH", "REDIS_ERRORS", "IndexUnavailableError", "RedisOnlyKvIndex",
            "redis_address"]
 
 log = structlog.get_logger(__name__)
@@ -85,6 +85,8 @@ log = structlog.get_logger(__name__)
 #: What "Redis is unreachable" looks like (redis-py wraps most, TimeoutError is an OSError; the
 #: cluster client raises RedisClusterException, not a RedisError, when it has no node to ask).
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisError, OSError, RedisClusterException)
+#: The writer leases live beside the index: `<key_prefix>lease:<backend>` (router.lease).
+LEASE_KEYS = "lease:"
 #: What a cluster shows while a slot moves or a master fails over: retried in the failover window.
 _CLUSTER_TRANSIENT: tuple[type[Exception], ...] = (
     RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, AskError,
@@ -537,7 +539,7 @@ class RedisOnlyKvIndex(KvIndex):
         them would let a standby take a backend over from a live writer. Raises."""
         before = (await self.stats()).entries
         cleared = 0
-        leases = self.key_prefix + "lease:"
+        leases = self.key_prefix + LEASE_KEYS
         async for found in self._scan():
             if not (batch := [k for k in found if not k.startswith(leases)]):
                 continue
