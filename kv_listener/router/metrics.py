@@ -68,8 +68,8 @@ OVERLAP_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 def _backend_state(registry: CollectorRegistry, name: str, documentation: str) -> Gauge:
-    """A 0/1 gauge by backend: each configured backend's series exists from 0, and goes with
-    the backend (`RouterMetrics.set_backends`)."""
+    """A 0/1 gauge by backend; `RouterMetrics` pre-creates each backend's series at 0 and
+    removes it with the backend (`_backend_states`)."""
     return Gauge(name, documentation, ["backend"], registry=registry)
 
 
