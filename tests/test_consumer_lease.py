@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from redis.asyncio import Redis
@@ -20,29 +20,13 @@ from kv_listener.router.config import Transport
 from kv_listener.router.consumer import KvEventConsumerManager
 from kv_listener.router.lease import LeaseState, WriterLease
 from tests.support.redis_server import RedisServer
+from tests.support.waits import until
 from tests.test_consumer import HOLD, P1, P2, P3, Applied, Conn, ScriptedServer, created, source
 
 B = "vllm-1"
 KEY = f"cr:kvidx:lease:{B}"
 TIMEOUT_S = 10.0
 RENEW_MS = 100
-
-
-async def until(pred: Callable[[], bool | Awaitable[bool]], what: str,
-                timeout_s: float = TIMEOUT_S) -> float:
-    """Wait (bounded) for a condition no event announces; the seconds it took."""
-    start = time.monotonic()
-    try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                got = pred()
-                if not isinstance(got, bool):
-                    got = await got
-                if got:
-                    return time.monotonic() - start
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout_s} s: {what}") from None
 
 
 def router(client: Redis, holder: str, url: str | None, applied: Applied, *, ttl_ms: int = 5_000,

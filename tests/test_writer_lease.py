@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -25,6 +25,7 @@ from kv_listener.router.lease import (
     TRANSITIONS,
     LeaseEvent,
     LeaseKeeper,
+    LeaseResult,
     LeaseState,
     LeaseStateError,
     WriterLease,
@@ -33,6 +34,7 @@ from kv_listener.router.lease import (
 from kv_listener.router.redis_index import RedisKvIndex
 from tests.support.redis_cluster import LocalRedisCluster, redis_cluster_fixture, slot_of
 from tests.support.redis_server import RedisServer
+from tests.support.waits import until
 
 B = "vllm-1"
 P1 = "1" * 64
@@ -46,16 +48,6 @@ def lease_for(client: Any, holder: str, *, ttl_ms: int = 10_000,
               renew_ms: int = 100) -> WriterLease:
     return WriterLease(client, key_prefix=PREFIX, holder_id=holder, ttl_ms=ttl_ms,
                        renew_interval_ms=renew_ms)
-
-
-
-async def until(pred: Callable[[], bool], timeout_s: float = TIMEOUT_S, what: str = "") -> float:
-    """Wait (bounded) for a condition no event announces; returns the seconds it took."""
-    start = time.monotonic()
-    async with asyncio.timeout(timeout_s):
-        while not pred():
-            await asyncio.sleep(0.01)
-    return time.monotonic() - start
 
 
 async def expired(client: Redis, key: str) -> None:
@@ -217,7 +209,7 @@ async def test_one_writer_and_takeover_when_the_writer_dies(lease_redis: Redis) 
         ka = keeper(lease_for(lease_redis, "router-a", ttl_ms=600, renew_ms=150), wa)
         assert await wa.next() is True
         kb = keeper(lease_for(lease_redis, "router-b", ttl_ms=600, renew_ms=150), wb)
-        await until(lambda: kb.holder == "router-a")
+        await until(lambda: kb.holder == "router-a", "b sees a holding the lease")
         assert kb.state is not LeaseState.WRITER and not wb.writing
         assert ka.is_writer and not wb.writing
         # a dies: no release, its key just stops being renewed
@@ -243,6 +235,16 @@ async def test_one_writer_and_takeover_when_the_writer_dies(lease_redis: Redis) 
 KEY = f"{PREFIX}lease:{B}"
 
 
+class CountingLease(WriterLease):
+    """The real lease, counting its acquire attempts (a standby's asking is otherwise unseen)."""
+
+    acquires = 0
+
+    async def acquire(self, backend: str) -> LeaseResult:
+        self.acquires += 1
+        return await super().acquire(backend)
+
+
 async def test_a_writer_whose_lease_another_holder_took_stops_at_its_next_renewal(
     lease_redis: Redis,
 ) -> None:
@@ -251,16 +253,20 @@ async def test_a_writer_whose_lease_another_holder_took_stops_at_its_next_renewa
     other holds it."""
     w = Writes()
     with capture_logs() as logs:
-        k = keeper(lease_for(lease_redis, "router-a", ttl_ms=5_000, renew_ms=100), w)
+        lease = CountingLease(lease_redis, key_prefix=PREFIX, holder_id="router-a",
+                              ttl_ms=5_000, renew_interval_ms=100)
+        k = keeper(lease, w)
         assert await w.next() is True
         await lease_redis.set(KEY, "router-x", px=5_000)
         taken = time.monotonic()
         assert await w.next() is False
         assert time.monotonic() - taken < 0.1 + 0.5  # one renew interval (+ slack), not the ttl
-        await until(lambda: k.holder == "router-x" and k.state is LeaseState.STANDBY)
-        await until(lambda: k.state is LeaseState.ACQUIRING)  # it goes on asking ...
-        await until(lambda: k.state is LeaseState.STANDBY)
-        assert not w.writing and await lease_redis.get(KEY) == "router-x"  # ... and is refused
+        await until(lambda: k.holder == "router-x" and k.state is LeaseState.STANDBY,
+                    "a standby that saw router-x")
+        asked = lease.acquires
+        await until(lambda: lease.acquires >= asked + 2, "a goes on asking")
+        assert not w.writing and k.state is not LeaseState.WRITER  # ... and is refused
+        assert await lease_redis.get(KEY) == "router-x"
     lost = [r for r in logs if r["event"] == "kv_writer_lease_lost"]
     assert [(r["reason"], r["holder"]) for r in lost] == [("taken", "router-x")]
 
