@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from kv_listener.core.model import Tier
 from kv_listener.core.records import (
     ControlEvent,
     Record,
@@ -57,6 +58,8 @@ def encode_records(records: Iterable[Record]) -> bytes:
 _CLEARED = RecordEvent.CACHE_CLEARED
 _CREATED = RecordEvent.CACHE_CREATED
 _OFFLOADED = RecordEvent.CACHE_OFFLOADED
+#: A tier's text by dict (`f"{member}"` of a StrEnum goes through Enum.__format__: 6x slower)
+_TIER_TEXT: dict[Tier | None, str] = {t: t.value for t in Tier}
 
 
 def encode_record_list(records: Sequence[Record]) -> list[bytes]:
@@ -87,11 +90,13 @@ def encode_record_list(records: Sequence[Record]) -> list[bytes]:
             out.append(encode_record(r))
         elif event is _CLEARED:
             out.append(f"id: {rid}{head}{tail}".encode())
-        elif (prefix := r.prefix_hash) is None or not (prefix.isascii() and prefix.isalnum()):
+        elif (prefix := r.prefix_hash) is None or not (prefix.isascii()
+                                                        and prefix.encode().isalnum()):
+            # (bytes.isalnum: the same verdict for ASCII text, by table, 4x faster than str's)
             out.append(encode_record(r))
         elif event is not _CREATED and event is not _OFFLOADED:
             out.append(f'id: {rid}{head},"prefix_hash":"{prefix}"{tail}'.encode())
-        elif type(count := r.token_count) is not int or (tier := r.tier) is None:
+        elif type(count := r.token_count) is not int or (tier := _TIER_TEXT.get(r.tier)) is None:
             out.append(encode_record(r))
         else:
             out.append(f'id: {rid}{head},"prefix_hash":"{prefix}","token_count":{count},'

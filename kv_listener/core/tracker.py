@@ -81,6 +81,7 @@ from kv_listener.core.model import (
     TransitionKind,
 )
 from kv_listener.core.record_state import (
+    GPU_BIT,
     MEDIA_MASK,
     NO_SLOT,
     PENDING,
@@ -291,7 +292,8 @@ class Tracker(ChainResolution):
             self._notice(TrackerNotice.GROUP_SKIPPED)
             return
         find = self._find
-        bit = self._medium_bit(ev.medium)
+        medium = ev.medium
+        bit = GPU_BIT if medium is None else self._media_bits.get(medium) or self._medium_bit(medium)
         prev = NO_SLOT
         parent_hash = ev.parent_hash
         if parent_hash is not None:
@@ -440,7 +442,11 @@ class Tracker(ChainResolution):
                 key = verify(salt)
                 if isinstance(key, bytes) and len(key) == KEY_BYTES:
                     k = self._keys.get(key)
-                    return (self._intern(key) if k is None else k), None, None
+                    if k is None:
+                        # _intern without its touch: the caller stores the block at once, which
+                        # touches the key (a key is never left without a block here)
+                        k = self._keys[key] = KeyAggregate(key)
+                    return k, None, None
                 self.salt_rejected += 1
                 self._notice(TrackerNotice.SALT_REJECTED)
                 return None, UnattributedReason.SALT_REJECTED, None
