@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from quiet import quiet_libraries
 
+from kv_listener.core.records import Record
 from kv_listener.router.config import KvCacheIndexConfig, StorageOffloadingConfig
 from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import IndexEvent, InMemoryKvIndex, KvIndex, PrefixEventType
@@ -62,7 +63,7 @@ def fmt_us(samples: list[float]) -> str:
             f"mean {statistics.fmean(samples) * 1e6:8.1f} us")
 
 
-def events(prefixes: list[str], backends: list[str], rng: random.Random) -> list[IndexEvent]:
+def events(prefixes: list[str], backends: list[str], rng: random.Random) -> list[Record]:
     return [IndexEvent(CREATED, b, ph, rng.randrange(16, 8192))
             for ph in prefixes for b in backends if rng.random() < 0.75]
 
@@ -153,17 +154,17 @@ async def concurrent_selects(index: KvIndex, sample: list[str], backends: list[s
     return elapsed * 1e3, trips() - trips_before
 
 
-def used_memory(clients: list[object]) -> int:
-    return sum(int(c.info("memory")["used_memory"]) for c in clients)  # type: ignore[attr-defined]
+def used_memory(clients: Sequence[Redis]) -> int:
+    return sum(int(c.info("memory")["used_memory"]) for c in clients)
 
 
-async def writes_per_s(index: KvIndex, evs: list[IndexEvent]) -> float:
+async def writes_per_s(index: KvIndex, evs: list[Record]) -> float:
     """Records/s with one writer per backend (a router's consumers), each in order."""
-    by_backend: dict[str, list[IndexEvent]] = {}
+    by_backend: dict[str, list[Record]] = {}
     for e in evs:
         by_backend.setdefault(e.backend, []).append(e)
 
-    async def consume(mine: list[IndexEvent]) -> None:
+    async def consume(mine: list[Record]) -> None:
         for e in mine:
             await index.apply(e)
 
@@ -177,7 +178,7 @@ def memory_line(name: str, used: int, entries: int) -> str:
             f"{2**30 / (used / entries) / 1e6:.1f} M entries per GiB)")
 
 
-async def cluster_figures(evs: list[IndexEvent], keys: list[str], backends: list[str]) -> None:
+async def cluster_figures(evs: list[Record], keys: list[str], backends: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp, LocalRedisCluster(Path(tmp)) as cluster:
         masters = [cluster.admin(m.node) for m in cluster.masters()]
         before = used_memory(masters)
@@ -207,6 +208,8 @@ async def main() -> None:
     ap.add_argument("--queries", type=int, default=20000)
     ap.add_argument("--no-cluster", action="store_true", help="skip the Redis Cluster figures")
     args = ap.parse_args()
+    if args.prefixes < 1000:
+        ap.error("--prefixes must be at least 1000 (the scorer figures sample 1,000 of them)")
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
     rng = random.Random(7)
     prefixes = [f"{rng.getrandbits(256):064x}" for _ in range(args.prefixes)]
