@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
 from redis.asyncio import Redis
 
-if TYPE_CHECKING:  # tests.support.redis_server imports free_port from here
-    from tests.support.redis_server import RedisServer
+from tests.support.ports import free_port  # noqa: F401 (bench/ scripts import it from here)
+from tests.support.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -22,18 +20,6 @@ FIXTURES = ROOT / "fixtures"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for servers that cannot bind port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def unused_port() -> Iterator[int]:
-    yield free_port()
 
 
 @pytest.fixture
@@ -46,8 +32,6 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A real redis-server on 127.0.0.1 for the test (tests/support/redis_server.py)."""
-    from tests.support.redis_server import RedisServer  # noqa: PLC0415 (see the import above)
-
     with RedisServer(tmp_path) as server:
         yield server
 

@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from kv_listener import __version__
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT
+from tests.support.ports import free_port
 
 CMD = [sys.executable, "-m", "kv_listener"]
 

@@ -43,6 +43,7 @@ from kv_listener.router.index import Holder, InMemoryKvIndex
 from kv_listener.router.metrics import RouterMetrics
 from tests.support.bus import TOKEN_A, listener_config, running_server, write_token
 from tests.support.golden import golden
+from tests.support.ports import free_port
 from tests.support.tls import TlsMaterial
 
 B = "vllm-1"
@@ -516,9 +517,7 @@ def test_backoff_cap_is_the_interval_when_above_60_s() -> None:
 
 
 async def test_connection_refused_backs_off() -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again below: nothing listens there
+    port = free_port()  # nothing listens there
     applied, sleep = Applied(), FakeSleep(block_after=3)
     async with manager([source(f"http://127.0.0.1:{port}/events/{B}")], applied, sleep) as m:
         assert await sleep.wait_count(3) == [1, 2, 4]

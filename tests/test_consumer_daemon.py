@@ -20,8 +20,8 @@ from kv_listener.router.consumer import KvEventConsumerManager, index_applier
 from kv_listener.router.index import Holder, InMemoryKvIndex
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
-from tests.conftest import free_port
 from tests.support.daemon import Daemon
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "m"

@@ -20,10 +20,11 @@ from kv_listener.core.salt import issue_cache_salt
 from kv_listener.resolver.template import load_tokenizer
 from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
-from tests.conftest import FIXTURES, free_port
+from tests.conftest import FIXTURES
 from tests.support.daemon import Daemon, SseClient, sse
 from tests.support.detokenize_server import DetokenizeServer
 from tests.support.listening import listening, salted_base
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -41,8 +41,8 @@ from kv_listener.core.salt import issue_cache_salt
 from kv_listener.core.sse import SseEvent, SseParser
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
-from tests.conftest import free_port
 from tests.support.daemon import Daemon, SseClient, sse
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -44,10 +44,11 @@ from kv_listener.core.salt import issue_cache_salt
 from kv_listener.resolver.template import load_tokenizer
 from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
-from tests.conftest import FIXTURES, ROOT, free_port
+from tests.conftest import FIXTURES, ROOT
 from tests.support.bus import TOKEN_A, write_token
 from tests.support.daemon import Daemon
 from tests.support.detokenize_server import DetokenizeServer
+from tests.support.ports import free_port
 from tests.support.tls import TlsMaterial
 
 pytestmark = pytest.mark.timeout(60)

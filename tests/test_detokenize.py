@@ -4,7 +4,6 @@ shapes), the local tokenizer path, timeouts, retries and the circuit breaker."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 from array import array
 from types import SimpleNamespace
@@ -31,6 +30,7 @@ from kv_listener.resolver.detokenize import (
     tokenizer_info_url,
 )
 from tests.support.detokenize_server import DetokenizeServer
+from tests.support.ports import free_port
 from tests.support.tokenizers import TOKENIZERS, tokenizer
 
 
@@ -55,12 +55,6 @@ class FakeClock:
 
 def state_of(breaker: CircuitBreaker) -> BreakerState:
     return breaker.state  # a call, so that mypy does not narrow the property across calls
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def detokenize_once(url: str, engine: Engine, **kw: Any) -> str:

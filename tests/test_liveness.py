@@ -26,10 +26,11 @@ from kv_listener.sim.detokenize_server import DetokenizeServer
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
 from kv_listener.sim.trtllm_server import SimTrtllmServer
-from tests.conftest import FIXTURES, free_port
+from tests.conftest import FIXTURES
 from tests.support.daemon import Daemon, sse
 from tests.support.detokenize_server import DetokenizeServer as ScriptedServer
 from tests.support.listening import listening
+from tests.support.ports import free_port
 from tests.test_daemon_e2e import MODEL, SYSTEM, USER, block_hashes, chat_tokens, spec_hash, stored
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,8 +21,9 @@ import yaml
 import zmq
 import zmq.asyncio
 
-from tests.conftest import FIXTURES, free_port
+from tests.conftest import FIXTURES
 from tests.support.daemon import Daemon
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -41,9 +41,9 @@ from kv_listener.router.bus_server import (
 from kv_listener.router.consumer import decode_record
 from kv_listener.router.index import Holder
 from kv_listener.sim.publisher import SimPublisher
-from tests.conftest import free_port
 from tests.support.bus import TOKEN_A, TOKEN_B, TOKEN_BROKER, brokers, write_token
 from tests.support.daemon import Daemon, SseClient, sse
+from tests.support.ports import free_port
 from tests.support.push import (
     BACKEND,
     MODEL,

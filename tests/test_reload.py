@@ -21,8 +21,8 @@ from kv_listener.core.model import BlockStored
 from kv_listener.core.salt import issue_cache_salt
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
-from tests.conftest import free_port
 from tests.support.daemon import Daemon, sse
+from tests.support.ports import free_port
 from tests.test_daemon_e2e import BLOCK, MODEL, block_hashes, source, stored
 
 pytestmark = pytest.mark.timeout(60)

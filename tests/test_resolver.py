@@ -5,7 +5,6 @@ tiny fixture tokenizers."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from array import array
 from collections.abc import MutableMapping
 from pathlib import Path
@@ -32,6 +31,7 @@ from kv_listener.sim.detokenize_server import DetokenizeServer as SimDetokenizeS
 from kv_listener.sim.detokenize_server import tokenizer_info
 from kv_listener.stats import SourceStats
 from tests.support.detokenize_server import DetokenizeServer
+from tests.support.ports import free_port
 from tests.support.tokenizers import TOKENIZERS, parser, tokenizer
 
 
@@ -84,12 +84,6 @@ class Gate:
 
     async def close(self) -> None:
         self.closed = True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def next_outcome(queue: asyncio.Queue[ResolveOutcome]) -> ResolveOutcome:

@@ -35,7 +35,7 @@ from kv_listener.router.config import (
 from kv_listener.router.index import IndexEvent, InMemoryKvIndex, PrefixEventType
 from kv_listener.router.metrics import RouterMetrics
 from kv_listener.router.scorer import KvOverlapScorer
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 TOKEN = "adm-7f3c9a1e5b2d4c6f8a0b1c2d3e4f5a6b"
 OTHER_TOKEN = "adm-second-token-for-the-oncall-rota"

@@ -29,8 +29,8 @@ from kv_listener.router.app import Router, cleanup_interval_s
 from kv_listener.router.config import load_router_config
 from kv_listener.router.index import IndexEvent, InMemoryKvIndex
 from kv_listener.router.metrics import EventDropReason, RouterMetrics
-from tests.conftest import free_port
 from tests.support.bus import TOKEN_A, listener_config, write_token
+from tests.support.ports import free_port
 from tests.support.tls import TlsMaterial
 
 CMD = [sys.executable, "-m", "kv_listener"]

@@ -35,7 +35,7 @@ from kv_listener.router.consumer import KvEventConsumerManager
 from kv_listener.router.index import IndexEvent, PrefixEventType
 from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S
 from kv_listener.router.redis_index import IndexUnavailableError, RedisKvIndex
-from tests.conftest import free_port
+from tests.support.ports import free_port
 from tests.support.redis_server import RedisServer
 
 B = "vllm-1"

@@ -19,7 +19,7 @@ from kv_listener.outputs.streams import StreamHub
 from kv_listener.runtime import SourceRuntime
 from kv_listener.sources.common import QueueFeeder
 from kv_listener.stats import SourceStats
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1] / "kv_listener"
 BACKEND = "vllm-1"

@@ -33,9 +33,9 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from kv_listener.demo import free_ports
 from kv_listener.sim.workload import ChatSessions
 from tests.conftest import ROOT
+from tests.support.ports import free_ports
 
 LISTENER_EXAMPLE = ROOT / "config.kv-listener.yaml.example"
 ROUTER_EXAMPLE = ROOT / "config.router.yaml.example"

@@ -22,7 +22,7 @@ from kv_listener.core.slicing import pieces
 from kv_listener.core.tracker import Tracker
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.runtime import SourceRuntime
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 SECRET, BACKEND, BS = b"slicing-secret", "vllm-1", 4
 

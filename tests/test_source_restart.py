@@ -14,7 +14,7 @@ from kv_listener.core.model import ClearReason
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.runtime import SourceRuntime
 from kv_listener.sources.zmq import ZmqSource
-from tests.conftest import free_port
+from tests.support.ports import free_port
 
 
 class Crashing:

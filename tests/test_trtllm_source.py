@@ -297,7 +297,7 @@ async def test_resolver_only_returns_allowed_addresses() -> None:
 
 async def test_a_refused_connection_is_logged_with_url_and_errno() -> None:
     """`trtllm_poll_failed` said only `ClientConnectorError`: not where, not why."""
-    from tests.conftest import free_port  # noqa: PLC0415
+    from tests.support.ports import free_port  # noqa: PLC0415
 
     port = free_port()  # nothing listens there
     queue: asyncio.Queue[model.SourceItem] = asyncio.Queue(100)

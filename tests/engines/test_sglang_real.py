@@ -35,7 +35,7 @@ from kv_listener.core.model import BlockRemoved, BlockStored, Engine
 from kv_listener.core.sequence import END_SEQ, replay_request
 from kv_listener.resolver.template import build_prompt_parser, load_tokenizer
 from kv_listener.router import issue_cache_salt, prefix_hash, request_prefix_key
-from tests.conftest import FIXTURES, free_port
+from tests.conftest import FIXTURES
 from tests.engines.conftest import require_engines_venv
 from tests.engines.oracle import EngineTruth
 from tests.engines.sglang_real import (
@@ -49,6 +49,7 @@ from tests.engines.tap import ZmqTap
 from tests.engines.view import Backend, StreamView, converge
 from tests.support.daemon import Daemon
 from tests.support.detokenize_server import DetokenizeServer
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(60)]
 

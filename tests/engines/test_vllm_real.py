@@ -40,13 +40,13 @@ from kv_listener.core.model import Engine
 from kv_listener.core.prefix import truncate_utf8
 from kv_listener.resolver.template import build_prompt_parser, load_tokenizer
 from kv_listener.router import issue_cache_salt, prefix_hash, request_prefix_key
-from tests.conftest import free_port
 from tests.engines.oracle import EngineTruth
 from tests.engines.paths import LLAMA3_TOKENIZER
 from tests.engines.tap import ZmqTap
 from tests.engines.view import Backend, StreamView, converge, wait_quiet
 from tests.engines.vllm_engine import VllmEngine
 from tests.support.daemon import Daemon
+from tests.support.ports import free_port
 
 pytestmark = [
     pytest.mark.engines,

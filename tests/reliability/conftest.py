@@ -12,7 +12,6 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from tests.conftest import free_port
 from tests.engines.view import StreamView
 from tests.reliability.harness import (
     BUS_TOKEN,
@@ -26,6 +25,7 @@ from tests.reliability.harness import (
     router_config,
 )
 from tests.support.daemon import Daemon
+from tests.support.ports import free_port
 from tests.support.redis_server import RedisServer
 from tests.support.tls import TlsMaterial
 

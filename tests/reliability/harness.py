@@ -38,10 +38,10 @@ from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.engine import WIRE_VERSION, EngineCore, SimEngine, render_chat
 from kv_listener.sim.trtllm_server import PATH as TRTLLM_PATH
 from kv_listener.sim.trtllm_server import ServedTrtllm, SimTrtllmServer
-from tests.conftest import free_port
 from tests.engines.oracle import EngineTruth
 from tests.engines.view import StreamView, diff
 from tests.support.daemon import Daemon
+from tests.support.ports import free_port
 
 MODEL = "demo"
 TOKENIZER = load_tokenizer(DEMO_TOKENIZER_DIR)

@@ -17,9 +17,9 @@ import pytest_asyncio
 from kv_listener.core.model import BlockRemoved, BlockStored
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
-from tests.conftest import free_port
 from tests.reliability.conftest import running_stack
 from tests.reliability.harness import Stack
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(180)]
 

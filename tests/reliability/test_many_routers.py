@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
-from tests.conftest import free_port
 from tests.reliability.conftest import running_stack
 from tests.reliability.harness import RouterView, Stack, bus_router_config, router_config
 from tests.support.daemon import Daemon
+from tests.support.ports import free_port
 from tests.support.redis_cluster import LocalRedisCluster
 from tests.support.tls import TlsMaterial
 

@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from kv_listener.sim.publisher import SimPublisher
-from tests.conftest import free_port
 from tests.support.daemon import Daemon, SseClient, sse
+from tests.support.ports import free_port
 
 
 def salted_base(tmp_path: Path, secret: str = "s3cret") -> dict[str, Any]:

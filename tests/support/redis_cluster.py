@@ -50,8 +50,8 @@ from redis.crc import key_slot
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from tests.conftest import free_port
 from tests.support.lifecycle import StartStop
+from tests.support.ports import free_port
 from tests.support.redis_server import RedisServer, TlsFiles
 from tests.support.tls import TlsMaterial
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tests.conftest import free_port
 from tests.support.lifecycle import StartStop
+from tests.support.ports import free_port
 
 READY_LINE = "Ready to accept connections"
 START_TIMEOUT_S = 10.0
