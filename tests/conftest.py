@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -20,6 +21,17 @@ FIXTURES = ROOT / "fixtures"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With `-n` and the default `--dist load`: the engine tests together on one worker, the
+    reliability modules each whole on one, the rest test by test (tests/support/workers.py)."""
+    if config.getvalue("dist") != "load":
+        return None  # another --dist asked for on the command line: xdist's own
+    from tests.support.workers import SuiteScheduling  # noqa: PLC0415 (xdist only when -n)
+
+    return SuiteScheduling(config, log)
 
 
 @pytest.fixture
