@@ -481,7 +481,8 @@ class Tracker(ChainResolution):
             self.group_skipped += 1
             return
         find = self._find
-        bit = None if ev.medium is None else self._medium_bit(ev.medium)
+        medium = ev.medium  # (_medium_bit's known media inline: vLLM sends one event per block)
+        bit = None if medium is None else self._media_bits.get(medium) or self._medium_bit(medium)
         for h in ev.block_hashes:
             r = find(h)
             if r == NO_SLOT:
