@@ -15,7 +15,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kv_listener.core.model import Tier
 from kv_listener.core.records import Record, RecordEvent
@@ -295,3 +297,52 @@ async def test_tls_and_an_acl_user_with_a_password_file(tmp_path: Path) -> None:
         finally:
             await bad.close()
 
+
+
+async def test_a_burst_wider_than_the_pool_waits_for_connections(
+    redis_cluster: LocalRedisCluster,
+) -> None:
+    """More requests at once than `pool_size` connections per node: they wait for a connection,
+    as on one server (BlockingConnectionPool). redis-py's cluster client raises
+    MaxConnectionsError at once instead (redis/redis-py#3135), a ConnectionError that the index
+    took for a lost node: retries, a `kv_index_redis_cluster_retrying` warning, and at the end an
+    "outage ridden out" that makes every consumer resync, on a healthy cluster."""
+    redis_cluster.flushall()
+    async with closed_after(index(redis_cluster, pool_size=2)) as idx:
+        writes = [IndexEvent(CREATED, BACKENDS[i % 3], prefix(i), 16 + i) for i in range(200)]
+        await asyncio.gather(*(idx.apply(e) for e in writes))
+        answers = await asyncio.gather(*(idx.query(prefix(i)) for i in range(200)))
+        assert answers == [[Holder(BACKENDS[i % 3], 16 + i, Tier.GPU_HOT)] for i in range(200)]
+        assert idx.redis.transient_errors == 0
+        assert idx.cluster_outages == 0
+        assert not idx.fallback_active
+        connections = [len(node._connections)
+                       for node in idx.redis.client.nodes_manager.nodes_cache.values()]
+        assert max(connections) <= 2, connections
+
+
+async def test_the_wait_for_a_connection_is_bounded_by_the_connect_timeout(
+    redis_cluster: LocalRedisCluster,
+) -> None:
+    """While every permit is held, a request gives up after `connect_timeout_ms` with the error
+    a BlockingConnectionPool gives (a ConnectionError: the failover window's rules apply), and
+    goes through once a permit is free."""
+    async with closed_after(index(redis_cluster, pool_size=1, connect_timeout_ms=200)) as idx:
+        client = idx.redis.client
+        held, release = asyncio.Event(), asyncio.Event()
+
+        async def hold() -> None:
+            async with client.permit():
+                held.set()
+                await release.wait()
+
+        holder = asyncio.create_task(hold())
+        await held.wait()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(RedisConnectionError, match="No connection available"):
+            await client.ping()
+        assert 0.15 <= loop.time() - started < 5.0
+        release.set()
+        await holder
+        assert await client.ping() is True

@@ -45,7 +45,6 @@ from urllib.parse import urlsplit
 
 import structlog
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff, NoBackoff
 
@@ -62,6 +61,7 @@ from kv_listener.router.config_redis import RedisConfig
 from kv_listener.router.index import ClearResult, Holder, IndexStats, InMemoryKvIndex, KvIndex, _Counters
 from kv_listener.router.metrics import RouterMetrics
 from kv_listener.router.oplog import LOG_REPEAT_INTERVAL_S, LogThrottle, error_fields
+from kv_listener.router.redis_pool import WaitingRedisCluster
 from kv_listener.router.redis_store import (
     LOOKUP_BATCH,
     REDIS_ERRORS,
@@ -170,7 +170,10 @@ class RedisKvIndex(KvIndex):
             # The cluster client follows MOVED/ASK and refreshes its slot map itself; two quick
             # retries of its own, then the store's failover window (redis_store) takes over.
             kwargs["retry"] = Retry(ExponentialBackoff(cap=0.5, base=0.05), 2)
-            client = RedisCluster.from_url(url, **kwargs)
+            client = WaitingRedisCluster.from_url(url, **kwargs)
+            # A burst wider than the pool waits for a connection, bounded like connecting
+            # (redis_pool: redis-py's cluster client would raise MaxConnectionsError at once).
+            client.limit(redis_cfg.pool_size, redis_cfg.connect_timeout_ms / 1000)
         else:
             # Waiting for a pooled connection is bounded like connecting. One immediate retry
             # covers a pooled connection Redis closed (restart); anything more would delay the
