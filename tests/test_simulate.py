@@ -408,7 +408,9 @@ def test_a_connecting_and_a_binding_source_are_both_fed_with_verified_salts(
     base = f"http://127.0.0.1:{listen}"
     with running(tmp_path) as start:
         listener = start("listener", [*KVL, "--config", str(config)])
-        sim = start("simulate", simulate(config, "--duration", "15"))
+        # 10 s: both sources are fed 2 s after the start (5 s beside three CPU burners), and the
+        # plain progress line comes every 5 s, so one is printed before the duration ends it.
+        sim = start("simulate", simulate(config, "--duration", "10"))
 
         def fed() -> dict[str, Any] | None:
             got = http_get(f"{base}/stats")
@@ -434,7 +436,7 @@ def test_a_connecting_and_a_binding_source_are_both_fed_with_verified_salts(
     assert "(binds, the listener connects, topic 'kv-events')" in out, out
     assert "binding (vllm 0.33): KV events to tcp://127.0.0.1:" in out, out
     assert "(connects, the listener binds)" in out, out
-    assert re.search(r"^simulate +\d+\.\d+s/15s +requests \d+", out, re.M), out
+    assert re.search(r"^simulate +\d+\.\d+s/10s +requests \d+", out, re.M), out
     assert "s3cret" not in out + sim.stderr + listener.stderr
 
 
