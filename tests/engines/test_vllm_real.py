@@ -26,7 +26,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,9 @@ async def drain_logs(daemon: Daemon) -> list[dict[str, Any]]:
 
 
 # --- the stack -------------------------------------------------------------------------------
+
+
+Held = dict[str, tuple[int, str]]  # prefix_hash -> (token_count, tier): what an engine holds
 
 
 @dataclass(repr=False)  # a failing assertion must not print the whole stack
@@ -176,17 +179,30 @@ class Stack:
 
     async def until_announced(self, name: str, keys: list[str], timeout_s: float = 30.0) -> None:
         b = self.backend(name)
+
+        def missing(held: Held) -> list[str]:
+            return [k for k in keys if k not in held]
+
+        await self.until_engine(
+            name, lambda held: not missing(held),
+            lambda held: f"{name}: the engine announced no blocks of "
+                         f"{[k[:16] for k in missing(held)]} [{b.truth.note(missing(held)[0])}]",
+            timeout_s)
+
+    async def until_engine(self, name: str, done: Callable[[Held], bool],
+                           failure: Callable[[Held], str], timeout_s: float = 30.0) -> None:
+        """Feed the events tapped from `name` to its truth until `done(what it holds)`, bounded:
+        vLLM publishes a step's events from its own thread, after the response may be back."""
+        b = self.backend(name)
         deadline = time.monotonic() + timeout_s
         while True:
             b.feed()
             held = b.truth.expected()
-            missing = [k for k in keys if k not in held]
-            if not missing:
+            if done(held):
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"{name}: the engine announced no blocks of "
-                                     f"{[k[:16] for k in missing]} [{b.truth.note(missing[0])}]")
+                raise AssertionError(failure(held))
             seen = b.tap.count()
             await asyncio.to_thread(b.tap.wait_count, seen + 1, min(left, 1.0))
 
@@ -424,6 +440,10 @@ async def test_multi_turn_conversation_keeps_one_key(stack: Stack) -> None:
              {"role": "user", "content": text(14, 60)}]
     body2 = await stack.chat("vllm-1", turn2, max_tokens=24)
     assert key_of(body2) == k
+    # The key is held since turn 1, so `settle` would not wait for turn 2's blocks to be
+    # announced (it waits for keys not yet held): wait until the engine holds the longer chain.
+    await stack.until_engine("vllm-1", lambda held: held.get(k, (0, ""))[0] > first,
+                             lambda held: f"vllm-1: {k[:16]} still {held.get(k)} after turn 2")
     await stack.settle("vllm-1", marks=marks)
     assert stack.view("vllm-1").state[k][0] > first  # the longer conversation, same prefix
 
