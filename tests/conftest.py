@@ -25,8 +25,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """With `-n` and the default `--dist load`: the engine tests together on one worker, the
-    reliability modules each whole on one, the rest test by test (tests/support/workers.py)."""
+    """With `-n` and the default `--dist load`: the engine tests together on one worker, each
+    module sharing one expensive module-scoped set-up whole on one, the rest test by test
+    (tests/support/workers.py)."""
     if config.getvalue("dist") != "load":
         return None  # another --dist asked for on the command line: xdist's own
     from tests.support.workers import SuiteScheduling  # noqa: PLC0415 (xdist only when -n)

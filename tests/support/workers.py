@@ -5,8 +5,10 @@ Work units, decided from the node ids alone on the controller:
 - every test under tests/engines/ is one unit: a real vLLM on CPU and SGLang's publisher run one
   after another on one worker, never two engines at once on the two cores;
 - each module of `WHOLE_MODULES` is one unit: its tests share one expensive module-scoped set-up
-  and run in order on it (tests/reliability/: one pipeline per module, each test ends converged
-  for the next one), so the set-up is made once and the order kept;
+  and run in order on it, so the set-up is made once and the order kept (tests/reliability/: one
+  pipeline per module, each test ends converged for the next one; the modules on a local Redis
+  Cluster, `redis_cluster_fixture`: six redis-servers each, and a failover or a slot move slows
+  down when two clusters share the two cores with everything else);
 - every other test is a unit of its own.
 
 Units go out largest first (the engines at once, to the first worker), then one at a time to
@@ -22,7 +24,12 @@ from __future__ import annotations
 from xdist.scheduler import LoadScopeScheduling
 
 ENGINES = "tests/engines/"
-WHOLE_MODULES = ("tests/reliability/", "tests/test_deploy_monitoring.py")
+WHOLE_MODULES = (
+    "tests/reliability/", "tests/test_deploy_monitoring.py",
+    # redis_cluster_fixture()
+    "tests/test_index.py", "tests/test_redis_cluster_harness.py",
+    "tests/test_redis_cluster_index.py", "tests/test_writer_lease.py",
+)
 
 
 def work_unit(nodeid: str) -> str:
