@@ -251,7 +251,10 @@ async def test_an_event_bus_source_is_contended_only_while_a_session_announces_i
         assert await lease_redis.get(KEY) == "router-a"
         with capture_logs() as logs:
             await bus.set()
-            took = await until(lambda: not running(a), "the consumer stops")
+            # release() stops the consumer, then deletes the key: wait for both (the log line
+            # comes after the delete), or the check below can fall between the two.
+            took = await until(lambda: not running(a) and any(
+                r["event"] == "kv_writer_lease_released" for r in logs), "the lease given back")
             assert await lease_redis.exists(KEY) == 0
         assert took < 5.0 / 2, took  # the gate's poll, not the ttl
         assert any(r["event"] == "kv_writer_lease_released" and r["reason"] == "no_session"
