@@ -316,7 +316,12 @@ async def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> A
             engine.start()
         await asyncio.gather(*(asyncio.to_thread(e.wait_healthy) for e in engines.values()))
 
-        session = await cleanup.enter_async_context(aiohttp.ClientSession())
+        # An idle pooled connection is dropped after 2 s, before vLLM's server closes it (its
+        # keep-alive is 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a chat sent on one it is closing
+        # fails writing its body ("Cannot write to closing transport"), and a POST is not
+        # retried (two tests in a row failed so in one run of the suite on loaded cores).
+        session = await cleanup.enter_async_context(
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=2.0)))
         # Started after the engines answer /health, so the template is learned at once.
         config, refused = listener_config(tmp, [
             source("vllm-1", zmq_port=free_port(), engine=engines["vllm-1"]),
