@@ -208,5 +208,5 @@ class BlockView(NamedTuple):
     parent: int | None
     chain_len: int
     media: int
-    state: object
+    state: State
     tokens: array[int]

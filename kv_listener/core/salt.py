@@ -50,7 +50,7 @@ def issue_cache_salt(secret: bytes, backend: str, key: bytes) -> str:
 _SALT_RE = re.compile(r"crs1:([0-9a-f]{64}):([0-9a-f]{32})")
 
 
-def verify_cache_salt(secret: bytes, backend: str, salt: str) -> bytes | None:
+def verify_cache_salt(secret: bytes, backend: str, salt: object) -> bytes | None:
     """The 32-byte key a valid salt carries, or None.
 
     Exact: wrong length, wrong prefix or separator, uppercase or non-hex digits, and a MAC made
@@ -77,7 +77,7 @@ class SaltVerifier:
         self._cache: dict[str, bytes | None] = {}
         self._cache_size = cache_size
 
-    def __call__(self, salt: str) -> bytes | None:
+    def __call__(self, salt: object) -> bytes | None:
         if not isinstance(salt, str):
             return None
         cache = self._cache
