@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import random
+import sys
 import tracemalloc
 from array import array
 from functools import partial
@@ -98,6 +99,12 @@ def stored(
 
 def batch(*events: KvEvent) -> EventBatch:
     return EventBatch(ts=0.0, events=tuple(events))
+
+
+def _pure(cls: type) -> bool:
+    """Whether `cls` runs from its .py source (not compiled by setup.py's mypyc build)."""
+    module = sys.modules[cls.__module__]
+    return bool(module.__file__ and module.__file__.endswith(".py"))
 
 
 def make(engine: Engine = Engine.VLLM, limits: Limits | None = None, **kw: object) -> Tracker:
@@ -916,4 +923,7 @@ def test_a_pending_chain_costs_little_beyond_its_tokens() -> None:
         tracemalloc.stop()
     assert t.pending == 0 and t.tokens_retained == 0 and t.blocks_tracked == n
     per_chain = (with_tokens - without - 4 * n * bs) / n
-    assert per_chain <= 180, per_chain  # 164 here; 220 with a list per chain
+    # pure Python 164 here, 220 with a list per chain; compiled (setup.py) 195: mypyc's native
+    # Chain keeps a vtable pointer and an attribute bitmap beside its 19 fields
+    bound = 180 if _pure(Tracker) else 210
+    assert per_chain <= bound, per_chain

@@ -1,0 +1,126 @@
+"""The compiled hot path (setup.py, mypyc): built where it can be, equal to the pure Python it is
+compiled from, and never half there.
+
+The installed build is expected compiled (the install needs only gcc and the Python headers,
+which .ci/install provides); `KVL_PURE_PYTHON=1` in the environment says the build was pure on
+purpose, and then only the pure path is checked.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+DRIVER = ROOT / "tests" / "support" / "native_driver.py"
+PURE_ON_PURPOSE = os.environ.get("KVL_PURE_PYTHON") == "1"
+
+
+def native_modules() -> list[str]:
+    """`NATIVE_MODULES` of setup.py, as module names (read, not imported: it is a build file)."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if (isinstance(node, ast.AnnAssign | ast.Assign)
+                and "NATIVE_MODULES" in ast.unparse(node).split("=")[0]):
+            assert node.value is not None
+            paths = ast.literal_eval(node.value)
+            return [p.removesuffix(".py").replace("/", ".") for p in paths]
+    raise AssertionError("setup.py has no NATIVE_MODULES")
+
+
+def compiled(module: str) -> bool:
+    path = importlib.import_module(module).__file__
+    assert path is not None
+    return not path.endswith(".py")
+
+
+def test_the_group_is_compiled_whole_or_not_at_all() -> None:
+    modules = native_modules()
+    assert "kv_listener.core.tracker" in modules and "kv_listener.core.decode" in modules
+    state = {m: compiled(m) for m in modules}
+    if PURE_ON_PURPOSE:
+        assert not any(state.values()), state
+    else:
+        assert all(state.values()), f"the build fell back to pure Python: {state}"
+
+
+def run_driver(seed: int, pure_copy: Path | None) -> dict[str, object]:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if pure_copy is not None:
+        env["PYTHONPATH"] = str(pure_copy)  # ahead of the installed package
+    done = subprocess.run([sys.executable, str(DRIVER), str(seed)], capture_output=True,
+                          text=True, env=env, cwd=pure_copy or ROOT, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, object] = json.loads(done.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pure_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The package's .py files alone: what runs where nothing was compiled."""
+    root = tmp_path_factory.mktemp("pure")
+    shutil.copytree(ROOT / "kv_listener", root / "kv_listener",
+                    ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
+    return root
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_compiled_and_pure_hot_paths_give_the_same_bytes(seed: int, pure_copy: Path) -> None:
+    """The same seeded engine stream (shared prefixes, valid / forged / missing salts, LRU tails,
+    a CPU medium, bounds that prune) through decode, tracker, resolver answers, event log and SSE
+    encoding: the SSE bytes, the final snapshot and every counter are equal."""
+    installed = run_driver(seed, None)
+    pure = run_driver(seed, pure_copy)
+    assert pure.pop("compiled") is False
+    assert installed.pop("compiled") is (not PURE_ON_PURPOSE)
+    assert installed == pure
+    stats = pure["stats"]
+    assert isinstance(stats, dict)
+    # the stream exercised what it is meant to
+    assert stats["salt_rejected"] > 0 and stats["pruned"] > 0 and stats["resolve_requests"] > 0
+    assert pure["records"] and pure["live"]
+
+
+def test_a_build_without_a_working_compiler_installs_the_pure_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback of setup.py, run for real with a C compiler that always fails: mypyc
+    translates the group, every compilation fails, no extension is left in the build."""
+    pytest.importorskip("mypyc.build")
+    from setuptools import Distribution  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        setup_module = importlib.import_module("setup")
+    finally:
+        sys.path.remove(str(ROOT))
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("LDSHARED", "/bin/false")
+    monkeypatch.delenv("KVL_PURE_PYTHON", raising=False)
+    work = tmp_path / "src"
+    shutil.copytree(ROOT / "kv_listener", work / "kv_listener",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copy(ROOT / "setup.py", work / "setup.py")
+    shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(setup_module, "__file__", str(work / "setup.py"))
+    extensions = setup_module._extensions()
+    assert len(extensions) == len(native_modules()) + 1  # a shim each, and the group's library
+    dist = Distribution({"name": "continuum-kv-listener", "ext_modules": extensions})
+    cmd = setup_module.OptionalNativeBuild(dist)
+    cmd.build_lib = str(tmp_path / "lib")
+    cmd.build_temp = str(tmp_path / "temp")
+    cmd.ensure_finalized()
+    cmd.run()
+    assert list((tmp_path / "lib").rglob("*.so")) == []
+    assert cmd.extensions == []
