@@ -282,11 +282,11 @@ class ChainResolution(BlockTable):
     def _chain_blocks(self, ch: Chain) -> list[int]:
         """The chain's records, deepest first."""
         out: list[int] = []
-        find, state, haspar, par = self._find, self._state, self._haspar, self._par
-        cur = find(ch.head) if ch.head is not None else NO_SLOT
+        state, haspar, par = self._state, self._haspar, self._par
+        cur = self._find(ch.head) if ch.head is not None else NO_SLOT
         while cur != NO_SLOT and state[cur] is ch:
             out.append(cur)
-            cur = find(par[cur]) if haspar[cur] else NO_SLOT
+            cur = self._find(par[cur]) if haspar[cur] else NO_SLOT
         return out
 
     def _collect(self, r: int, n: int) -> array[int] | None:
@@ -442,16 +442,16 @@ class ChainResolution(BlockTable):
         if ch.tokens is not None and len(ch.tokens) > d:
             self._tokens -= len(ch.tokens) - d
             ch.tokens = ch.tokens[:d]
-        find, state, clen = self._find, self._state, self._clen
-        anchor = find(ch.anchor) if ch.anchor is not None else NO_SLOT
+        state, clen = self._state, self._clen
+        anchor = self._find(ch.anchor) if ch.anchor is not None else NO_SLOT
         if anchor != NO_SLOT:
-            cur = find(self._par[anchor]) if self._haspar[anchor] else NO_SLOT
+            cur = self._find(self._par[anchor]) if self._haspar[anchor] else NO_SLOT
             while cur != NO_SLOT and state[cur] is ch and clen[cur] >= d:
                 parent = self._parent_of(cur)
                 self._attribute(cur, k)
                 ch.nblocks -= 1
                 ch.anchor = self._hash[cur]
-                cur = find(parent) if parent is not None else NO_SLOT
+                cur = self._find(parent) if parent is not None else NO_SLOT
         # Pre-anchor blocks not reachable from the anchor are attributed when a child arrives.
         if ch.nblocks == 0:
             self._free_chain_tokens(ch)

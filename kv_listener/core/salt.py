@@ -78,6 +78,11 @@ class SaltVerifier:
         self._cache_size = cache_size
 
     def __call__(self, salt: object) -> bytes | None:
+        return self.verify(salt)
+
+    def verify(self, salt: object) -> bytes | None:
+        """The key `salt` carries, or None (`verify_cache_salt`). Compiled callers call this
+        method: mypyc calls a method directly, an object's `__call__` through Python."""
         if not isinstance(salt, str):
             return None
         cache = self._cache

@@ -98,6 +98,7 @@ from kv_listener.core.record_state import (
     even_split,
 )
 from kv_listener.core.salt import KEY_BYTES, SALT_PREFIX
+from kv_listener.core.salt import SaltVerifier as CacheSaltVerifier
 
 __all__ = ["BlockView", "SaltVerifier", "Tracker", "TrackerNotice", "UnattributedReason",
            "common_prefix_len"]
@@ -133,6 +134,9 @@ class Tracker(ChainResolution):
         self._engine = engine
         self._model = model
         self._verify = salt_verifier
+        # The daemon's verifier is called through its method: compiled (setup.py), a method call
+        # is a direct C call, a callable object's a call through Python.
+        self._verifier = salt_verifier if isinstance(salt_verifier, CacheSaltVerifier) else None
         self._can_detokenize = can_detokenize
         self._noticed: set[TrackerNotice] = set()
         self._notices: list[TrackerNotice] = []
@@ -291,13 +295,12 @@ class Tracker(ChainResolution):
             self.group_skipped += 1
             self._notice(TrackerNotice.GROUP_SKIPPED)
             return
-        find = self._find
         medium = ev.medium
         bit = GPU_BIT if medium is None else self._media_bits.get(medium) or self._medium_bit(medium)
         prev = NO_SLOT
         parent_hash = ev.parent_hash
         if parent_hash is not None:
-            prev = find(parent_hash)
+            prev = self._find(parent_hash)
             if prev != NO_SLOT:
                 self._refresh(prev)  # a child under it: it is in use
         tokens = ev.token_ids
@@ -320,7 +323,6 @@ class Tracker(ChainResolution):
         model = ev.lora_name or self._model
         max_chain = self._max_chain
         clen, media_, state_, hash_ = self._clen, self._media, self._state, self._hash
-        new_block = self._new_block
         offset = 0
         seglen = bs
         # chains this event started or extended -> what to do once all its blocks are in
@@ -329,7 +331,7 @@ class Tracker(ChainResolution):
             h = hashes[i]
             if seglens is not None:
                 seglen = seglens[i]
-            r = find(h)
+            r = self._find(h)
             if r != NO_SLOT:  # stored again: idempotent, adds its medium, refreshes its age
                 old = media_[r]
                 if old | bit != old:
@@ -340,7 +342,7 @@ class Tracker(ChainResolution):
                 continue
             if prev != NO_SLOT and type(pst := state_[prev]) is KeyAggregate and not media_[prev] & TAINT:
                 # the common case: the chain goes on under an attributed block
-                prev = new_block(h, hash_[prev], clen[prev] + seglen, media, pst, None)
+                prev = self._new_block(h, hash_[prev], clen[prev] + seglen, media, pst, None)
                 offset += seglen
                 continue
             if prev == NO_SLOT:  # _place's first case, without the call
@@ -361,7 +363,7 @@ class Tracker(ChainResolution):
                         todo[state] = step
             else:
                 keep = 0
-            prev = new_block(
+            prev = self._new_block(
                 h, parent_hash if prev == NO_SLOT else hash_[prev], parent_len + seglen, media,
                 state, tokens[offset : offset + keep] if keep else None,
             )
@@ -439,7 +441,8 @@ class Tracker(ChainResolution):
             else:
                 salt = self._salt_of(ev)
             if salt is not None:
-                key = verify(salt)
+                verifier = self._verifier
+                key = verify(salt) if verifier is None else verifier.verify(salt)
                 if isinstance(key, bytes) and len(key) == KEY_BYTES:
                     k = self._keys.get(key)
                     if k is None:
@@ -480,11 +483,10 @@ class Tracker(ChainResolution):
         if ev.group_idx is not None and self._group is not None and ev.group_idx != self._group:
             self.group_skipped += 1
             return
-        find = self._find
         medium = ev.medium  # (_medium_bit's known media inline: vLLM sends one event per block)
         bit = None if medium is None else self._media_bits.get(medium) or self._medium_bit(medium)
         for h in ev.block_hashes:
-            r = find(h)
+            r = self._find(h)
             if r == NO_SLOT:
                 self.removed_unknown += 1
                 continue
