@@ -24,6 +24,7 @@ from typing import Any
 
 from kv_listener.backoff import Backoff
 from kv_listener.config import ListenerConfig, SourceConfig
+from kv_listener.core.limits import batch_tokens
 from kv_listener.core.liveness import LivenessChange
 from kv_listener.core.model import (
     ClearReason,
@@ -43,7 +44,6 @@ from kv_listener.outputs.sse_server import source_stats_entry
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.resolver.detokenize import sibling_url
 from kv_listener.resolver.resolver import ChainResolver
-from kv_listener.sources.common import batch_tokens
 from kv_listener.sources.liveness import EngineWatch
 from kv_listener.sources.trtllm import TrtllmSource
 from kv_listener.sources.zmq import ZmqSource

@@ -13,7 +13,7 @@ import zmq
 from structlog.testing import capture_logs
 
 from kv_listener.config import SourceConfig
-from kv_listener.core.limits import Limits
+from kv_listener.core.limits import Limits, batch_tokens
 from kv_listener.core.model import (
     BlockRemoved,
     BlockStored,
@@ -26,7 +26,7 @@ from kv_listener.core.model import (
 from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
 from kv_listener.sources import zmq as zmq_source_module
-from kv_listener.sources.common import QueueFeeder, batch_tokens
+from kv_listener.sources.common import QueueFeeder
 from kv_listener.sources.zmq import ZmqSource
 from kv_listener.stats import SourceStats
 from tests.support.queues import get, get_batch

@@ -2,7 +2,7 @@
 
 They live in the core, with the decoder and the tracker that enforce them, so that the core
 imports no configuration module: `kv_listener.config` reads and validates them from YAML and
-hands this frozen value over.
+hands this frozen value over. `batch_tokens` is what a source's queue bound counts.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_listener.core.decode import DEFAULT_MAX_EVENT_HASHES, DEFAULT_MAX_EVENT_TOKENS
+from kv_listener.core.model import BlockStored, EventBatch, SourceItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,3 +24,15 @@ class Limits:
     #: over twice as long makes the whole message undecodable (nothing that big is built).
     max_event_tokens: int = DEFAULT_MAX_EVENT_TOKENS
     max_event_hashes: int = DEFAULT_MAX_EVENT_HASHES
+
+
+def batch_tokens(item: SourceItem) -> int:
+    """Token IDs held by a queue item (what a source's `stats.queued_tokens` counts): taken
+    twice per batch (queued, then applied), so it is here, compiled with the core (setup.py)."""
+    if not isinstance(item, EventBatch):
+        return 0
+    n = 0
+    for ev in item.events:
+        if type(ev) is BlockStored:
+            n += len(ev.token_ids)
+    return n

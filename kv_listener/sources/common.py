@@ -21,7 +21,8 @@ from collections.abc import Iterable
 
 import structlog
 
-from kv_listener.core.model import BlockStored, ClearReason, EventBatch, SourceCleared, SourceItem
+from kv_listener.core.limits import batch_tokens
+from kv_listener.core.model import ClearReason, EventBatch, SourceCleared, SourceItem
 from kv_listener.core.sequence import SourceDropReason
 from kv_listener.stats import SourceStats
 
@@ -30,13 +31,6 @@ log = structlog.get_logger(__name__)
 #: Token IDs that the batches waiting in one source's queue may hold together (4 bytes each:
 #: 16 MiB), whatever the number of batches.
 MAX_QUEUED_TOKENS = 1 << 22
-
-
-def batch_tokens(item: SourceItem) -> int:
-    """Token IDs held by a queue item (what `stats.queued_tokens` counts)."""
-    if not isinstance(item, EventBatch):
-        return 0
-    return sum(len(ev.token_ids) for ev in item.events if type(ev) is BlockStored)
 
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
