@@ -30,7 +30,7 @@ only. `bench/decode.py` prints the figures.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, Final
 
 import msgpack
 import msgspec
@@ -87,7 +87,7 @@ class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
     drops: Counter[str]
 
 
-_M = U64_MASK
+_M: Final = U64_MASK
 
 
 # --- batches ---------------------------------------------------------------------------------
@@ -245,8 +245,8 @@ def _decode_reference(
     return DecodedBatch(EventBatch(ts, tuple(out), dp, seq), len(events), drops)
 
 
-_STORED_TYPES = frozenset(wire.STORED_TYPES)
-_REMOVED_TYPES = frozenset(wire.REMOVED_TYPES)
+_STORED_TYPES: Final = frozenset(wire.STORED_TYPES)
+_REMOVED_TYPES: Final = frozenset(wire.REMOVED_TYPES)
 
 
 def _decode_typed(

@@ -22,6 +22,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterable
+from typing import Final
 
 import msgspec
 
@@ -182,7 +183,7 @@ class EventLog:
         for t in batch:
             kind = t.kind
             if kind is _CREATED:
-                prefix, count, tier = t.prefix_hash, t.token_count, t.tier or Tier.GPU_HOT
+                prefix, count, tier = t.prefix_hash, t.token_count, t.tier or _GPU_HOT
                 if pending:
                     pending.pop(prefix, None)  # type: ignore[arg-type]
                 old = live.get(prefix)  # type: ignore[arg-type]
@@ -190,7 +191,7 @@ class EventLog:
                     continue
                 live[prefix] = (count, tier, now)  # type: ignore[index]
                 self._seq = seq = self._seq + 1
-                event = _CACHE_CREATED if tier is Tier.GPU_HOT else _CACHE_OFFLOADED  # upsert_event
+                event = _CACHE_CREATED if tier is _GPU_HOT else _CACHE_OFFLOADED  # upsert_event
                 rec = Record(f"{head}{seq}", event, backend, prefix, count, tier, now)
                 history.append(rec)
                 out.append(rec)
@@ -316,11 +317,14 @@ class EventLog:
         return Replay(tuple(records), reason)
 
 
-_CREATED = TransitionKind.CREATED
-_EVICTED = TransitionKind.EVICTED
-_CACHE_EVICTED = RecordEvent.CACHE_EVICTED
-_CACHE_CREATED = RecordEvent.CACHE_CREATED
-_CACHE_OFFLOADED = RecordEvent.CACHE_OFFLOADED
+# Final: compiled (setup.py), a Final module constant is a C static, another global a dict lookup
+# (and `Tier.GPU_HOT` a class attribute lookup) each time `record` reads it.
+_CREATED: Final = TransitionKind.CREATED
+_EVICTED: Final = TransitionKind.EVICTED
+_CACHE_EVICTED: Final = RecordEvent.CACHE_EVICTED
+_CACHE_CREATED: Final = RecordEvent.CACHE_CREATED
+_CACHE_OFFLOADED: Final = RecordEvent.CACHE_OFFLOADED
+_GPU_HOT: Final = Tier.GPU_HOT
 
 
 def _validate(t: PrefixTransition) -> None:

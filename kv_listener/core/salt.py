@@ -17,7 +17,7 @@ from __future__ import annotations
 import hmac
 import re
 from hashlib import sha256
-from typing import Any
+from typing import Any, Final
 
 _c_hmac_new: Any
 try:  # CPython's OpenSSL HMAC: an object whose copy() runs in C (hmac.HMAC.copy is Python code)
@@ -25,13 +25,14 @@ try:  # CPython's OpenSSL HMAC: an object whose copy() runs in C (hmac.HMAC.copy
 except ImportError:  # pragma: no cover - a CPython built without OpenSSL
     _c_hmac_new = None
 
-SALT_PREFIX = "crs1:"
-_MAC_DOMAIN = b"crs1"
-KEY_BYTES = 32
-_MAC_BYTES = 16
+# Final: compiled (setup.py), constants are C statics, not a module dict lookup per read
+SALT_PREFIX: Final = "crs1:"
+_MAC_DOMAIN: Final = b"crs1"
+KEY_BYTES: Final = 32
+_MAC_BYTES: Final = 16
 #: "crs1:" + 64 hex + ":" + 32 hex
-SALT_LENGTH = len(SALT_PREFIX) + 2 * KEY_BYTES + 1 + 2 * _MAC_BYTES
-_KEY_END = len(SALT_PREFIX) + 2 * KEY_BYTES  # index of the ":" before the MAC
+SALT_LENGTH: Final = len(SALT_PREFIX) + 2 * KEY_BYTES + 1 + 2 * _MAC_BYTES
+_KEY_END: Final = len(SALT_PREFIX) + 2 * KEY_BYTES  # index of the ":" before the MAC
 
 
 def _mac(secret: bytes, backend: str, key: bytes) -> bytes:
