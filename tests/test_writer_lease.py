@@ -371,3 +371,29 @@ async def test_clearing_the_index_keeps_the_leases(redis_server: RedisServer,
         assert await lease_redis.keys(f"{PREFIX}*") == [KEY]
     finally:
         await idx.close()
+
+
+async def test_a_cancellation_an_await_swallowed_still_stops_the_keeper(lease_redis: Redis) -> None:
+    """An await inside the loop that swallows the cancellation (CPython 3.11's `asyncio.wait_for`
+    does when the renewal completes as the cancel arrives; seen in the suite as a router stop
+    that never returned) must not keep the keeper running: `close()` returns within a renew
+    interval and the lease is given back."""
+    swallowed: list[bool] = []
+
+    async def sleep_swallowing_one_cancel(delay_s: float) -> None:
+        try:
+            await asyncio.sleep(delay_s)
+        except asyncio.CancelledError:
+            if swallowed:
+                raise
+            swallowed.append(True)  # the first cancellation goes no further
+
+    w = Writes()
+    k = keeper(lease_for(lease_redis, "router-a", ttl_ms=2_000, renew_ms=100), w,
+               sleep=sleep_swallowing_one_cancel)
+    assert await w.next() is True
+    await asyncio.sleep(0.03)  # inside the holding sleep (renew interval 100 ms)
+    await asyncio.wait_for(k.close("shutdown"), TIMEOUT_S)
+    assert swallowed == [True]
+    assert k.task is None and not w.writing
+    assert await lease_redis.exists(KEY) == 0

@@ -277,7 +277,13 @@ class LeaseKeeper:
         await self.release(reason)
 
     async def run(self) -> None:
+        task = asyncio.current_task()
         while True:
+            if task is not None and task.cancelling():
+                # A cancellation an await swallowed (CPython 3.11's asyncio.wait_for does when
+                # the renewal completes as the cancel arrives) ends the loop here, at the latest
+                # one renew interval later: close() waits for this task.
+                raise asyncio.CancelledError
             if self.state is LeaseState.WRITER:
                 await self._hold()
             else:
