@@ -134,9 +134,6 @@ class Tracker(ChainResolution):
         self._engine = engine
         self._model = model
         self._verify = salt_verifier
-        # The daemon's verifier is called through its method: compiled (setup.py), a method call
-        # is a direct C call, a callable object's a call through Python.
-        self._verifier = salt_verifier if isinstance(salt_verifier, CacheSaltVerifier) else None
         self._can_detokenize = can_detokenize
         self._noticed: set[TrackerNotice] = set()
         self._notices: list[TrackerNotice] = []
@@ -441,8 +438,10 @@ class Tracker(ChainResolution):
             else:
                 salt = self._salt_of(ev)
             if salt is not None:
-                verifier = self._verifier
-                key = verify(salt) if verifier is None else verifier.verify(salt)
+                # The daemon's verifier through its method: compiled (setup.py), a method call is
+                # a direct C call, a callable object's a call through Python.
+                key = (verify.verify(salt) if isinstance(verify, CacheSaltVerifier)
+                       else verify(salt))
                 if isinstance(key, bytes) and len(key) == KEY_BYTES:
                     k = self._keys.get(key)
                     if k is None:
