@@ -77,7 +77,7 @@ def pure_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_compiled_and_pure_hot_paths_give_the_same_bytes(seed: int, pure_copy: Path) -> None:
     """The same seeded engine stream (shared prefixes, valid / forged / missing salts, LRU tails,
-    a CPU medium, bounds that prune) through decode, tracker, resolver answers, event log and SSE
+    a CPU medium, bounds that prune, a clear) through decode, tracker, resolver answers, event log and SSE
     encoding: the SSE bytes, the final snapshot and every counter are equal."""
     installed = run_driver(seed, None)
     pure = run_driver(seed, pure_copy)
@@ -88,6 +88,7 @@ def test_compiled_and_pure_hot_paths_give_the_same_bytes(seed: int, pure_copy: P
     assert isinstance(stats, dict)
     # the stream exercised what it is meant to
     assert stats["salt_rejected"] > 0 and stats["pruned"] > 0 and stats["resolve_requests"] > 0
+    assert stats["clears"] == 1
     assert pure["records"] and pure["live"]
 
 

@@ -26,6 +26,7 @@ from kv_listener.core.decode import decode_zmq_payload
 from kv_listener.core.eventlog import EventLog
 from kv_listener.core.limits import Limits
 from kv_listener.core.model import (
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     Engine,
@@ -51,6 +52,9 @@ def frames(seed: int, n_frames: int = 400) -> list[bytes]:
     out: list[bytes] = []
     for step in range(n_frames):
         events: list[KvEvent] = []
+        if step == n_frames // 2:  # the engine resets its prefix cache once
+            events.append(AllBlocksCleared())
+            live = []
         for _ in range(rng.randint(1, 6)):
             roll = rng.random()
             if roll < 0.55 or not live:  # a new chain, maybe under a held prefix
