@@ -832,6 +832,48 @@ def test_records_stay_exact_through_colliding_hashes_index_rebuilds_and_arena_co
     assert len(t._arena) < appended  # ... and it was
 
 
+def _longest_probe_run(t: Tracker) -> int:
+    """The longest run of used positions (records and tombstones) in the tracker's hash index:
+    the most positions a lookup of a missing hash can probe."""
+    idx = list(t._idx)
+    best = run = 0
+    for v in idx + idx:  # twice: a run may wrap around the end
+        run = run + 1 if v != -1 else 0
+        best = max(best, run)
+    return min(best, len(idx))
+
+
+M61 = (1 << 61) - 1
+
+
+@pytest.mark.parametrize("family", ["low bits", "high bits", "same hash() mod 2^61-1", "steps of 2^50"])
+def test_hashes_a_hostile_engine_chooses_do_not_pile_up_in_the_index(family: str) -> None:
+    """Block hashes that agree in their low or high bits, or that Python's own int hash maps to
+    the same value (h mod 2^61 - 1, 8 per value), spread over the index like random ones: the
+    longest probe run stays within twice that of random hashes in an index of the same size. A
+    position function that ignores the key (for instance the hash's top or low bits, or
+    `hash(h)` alone) fails this."""
+    n = 24_000
+    families = {
+        "low bits": list(range(1, n + 1)),
+        "high bits": [i << 40 for i in range(1, n + 1)],
+        "same hash() mod 2^61-1": [(c * 1_000_003) % M61 + k * M61
+                                   for c in range(1, n // 8 + 1) for k in range(8)],
+        "steps of 2^50": [i << 50 for i in range(1, 16_384)],
+    }
+    hostile = families[family]
+    rng = random.Random(11)
+    runs = {}
+    for name, hashes in (("random", [rng.getrandbits(64) for _ in hostile]), (family, hostile)):
+        random.seed(3)  # the index key: the same for both, so the comparison is exact
+        t = make(limits=Limits(max_tracked_blocks=2 * n))
+        for i in range(0, len(hashes), 500):
+            t.apply(batch(*[stored([h], [7] * BS) for h in hashes[i:i + 500]]))
+        assert t.blocks_tracked == len(hashes)
+        runs[name] = _longest_probe_run(t)
+    assert runs[family] <= 2 * runs["random"], runs
+
+
 def test_a_head_whose_answer_is_out_is_not_asked_again_but_adopted() -> None:
     # The resolver drops a second request for a head it holds: after a clear the same chain
     # (same head, same tokens) takes over the outstanding answer instead of asking again.

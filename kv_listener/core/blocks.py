@@ -2,11 +2,11 @@
 
 Records are not objects: a record is a slot number, its fields live in typed columns (`array`,
 `bytearray`, and a list for the state), found by hash through an open-addressing index of slot
-numbers (hashed with a random multiplier, so that a hostile engine cannot make its hashes
-collide), and the tokens of the records that keep some lie in one token arena (4 bytes per
-token), compacted when half of it is dropped tokens. About 60 bytes per block instead of the ~230
-that a record object, its dict entry and its int objects cost, and nothing per block for the
-cyclic GC to walk (it paused the loop 40-80 ms at 100k records). `bench/tracker.py` prints the
+numbers (positions from a keyed hash, so that a hostile engine cannot make its hashes collide),
+and the tokens of the records that keep some lie in one token arena (4 bytes per token),
+compacted when half of it is dropped tokens. About 60 bytes per block instead of the ~230 that a
+record object, its dict entry and its int objects cost, and nothing per block for the cyclic GC
+to walk (it paused the loop 40-80 ms at 100k records). `bench/tracker.py` prints the
 figures.
 
 Bounds: when `max_tracked_blocks` or `max_retained_tokens` is exceeded, the least recently stored
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from kv_listener.core.limits import Limits
 from kv_listener.core.model import MEDIUM_GPU, PrefixTransition, Tier, TransitionKind
@@ -35,9 +35,21 @@ from kv_listener.core.record_state import (
     State,
 )
 
+if TYPE_CHECKING:  # annotations only: compiled, a machine integer; run from source, an int
+    from mypy_extensions import i64
+
 _EMPTY: Final = -1  # index position never used
 _GONE: Final = -2  # index position whose record went (tombstone)
 _U64: Final = (1 << 64) - 1
+# Index positions: Python's hash of the block hash (h mod 2^61 - 1, computed in C) and h's low 3
+# bits (no more than 2 u64 hashes share both), cut into 13-bit pieces, then
+# Dietzfelbinger's multiply-add-shift with random 44-bit coefficients (universal for up to 2^31
+# positions). Compiled, that is machine arithmetic (`i64`: every product and sum stays under 2^60);
+# the classic form, a 64-bit multiply by a random odd number, is arbitrary-precision arithmetic
+# here and cost 2-3k instructions per probe.
+_PIECE: Final = (1 << 13) - 1
+_MIX_BITS: Final = 44
+_MIX_MASK: Final = (1 << 44) - 1
 _MIN_INDEX: Final = 64
 #: Compact the token arena once this many dropped tokens lie in it and they are at least half.
 _ARENA_SLACK: Final = 1 << 16
@@ -74,9 +86,16 @@ class BlockTable:
         self._offset_code = "I" if limits.max_retained_tokens < (1 << 30) else "Q"
         self._arena_slack = _ARENA_SLACK
         self._media_bits: dict[str, int] = {MEDIUM_GPU: GPU_BIT}
-        # Multiplicative hashing with a random odd multiplier: engines' hashes are not chosen
-        # to spread over an index, and a hostile source must not be able to make them collide.
-        self._mult = random.getrandbits(64) | 1
+        # A keyed index hash: engines' hashes are not chosen to spread over an index, and a
+        # hostile source must not be able to make them collide.
+        rnd = random.getrandbits
+        self._k0: i64 = rnd(_MIX_BITS)
+        self._k1: i64 = rnd(_MIX_BITS)
+        self._k2: i64 = rnd(_MIX_BITS)
+        self._k3: i64 = rnd(_MIX_BITS)
+        self._k4: i64 = rnd(_MIX_BITS)
+        self._k5: i64 = rnd(_MIX_BITS)
+        self._k6: i64 = rnd(_MIX_BITS)
         self.pruned = 0  # records dropped to honour a bound (monotonic, survives clears)
 
     def _reset_blocks(self) -> None:
@@ -99,7 +118,7 @@ class BlockTable:
         # index: hash -> slot, open addressing with linear probing
         self._idx = array("i", [_EMPTY]) * _MIN_INDEX
         self._mask = _MIN_INDEX - 1
-        self._shift = 64 - (_MIN_INDEX.bit_length() - 1)
+        self._shift = _MIX_BITS - (_MIN_INDEX.bit_length() - 1)
         self._filled = 0  # index positions not _EMPTY (records and tombstones)
         # tokens of the records that keep some; `_garbage` of them belong to no record any more
         self._arena = array("I")
@@ -131,12 +150,20 @@ class BlockTable:
 
     # --- records: index, columns, token arena ----------------------------------------------
 
+    def _pos(self, h: int, shift: int) -> int:
+        """The home position of hash `h` in an index of 2^(44 - `shift`) positions."""
+        x: i64 = hash(h)
+        low: i64 = h & 7
+        return ((self._k0 + (x & _PIECE) * self._k1 + ((x >> 13) & _PIECE) * self._k2
+                 + ((x >> 26) & _PIECE) * self._k3 + ((x >> 39) & _PIECE) * self._k4
+                 + (x >> 52) * self._k5 + low * self._k6) & _MIX_MASK) >> shift
+
     def _find(self, h: int) -> int:
         """The slot of the record of hash `h`, or NO_SLOT."""
         idx = self._idx
         hashes = self._hash
         mask = self._mask
-        i = ((h * self._mult) & _U64) >> self._shift
+        i = self._pos(h, self._shift)
         while True:
             s = idx[i]
             if s >= 0:
@@ -202,7 +229,7 @@ class BlockTable:
         # index it (the hash is not there: the first free position takes it)
         idx = self._idx
         mask = self._mask
-        i = ((h * self._mult) & _U64) >> self._shift
+        i = self._pos(h, self._shift)
         while (s := idx[i]) >= 0:
             i = (i + 1) & mask
         idx[i] = r
@@ -240,13 +267,12 @@ class BlockTable:
             size <<= 1
         idx: array[int] = array("i", [_EMPTY]) * size
         mask = size - 1
-        shift = 64 - (size.bit_length() - 1)
-        mult = self._mult
+        shift = _MIX_BITS - (size.bit_length() - 1)
         hashes = self._hash
         r = self._oldest
         newer = self._newer
         while r != NO_SLOT:
-            i = ((hashes[r] * mult) & _U64) >> shift
+            i = self._pos(hashes[r], shift)
             while idx[i] != _EMPTY:
                 i = (i + 1) & mask
             idx[i] = r
@@ -306,7 +332,7 @@ class BlockTable:
         h = self._hash[r]
         idx = self._idx
         mask = self._mask
-        i = ((h * self._mult) & _U64) >> self._shift
+        i = self._pos(h, self._shift)
         while idx[i] != r:
             i = (i + 1) & mask
         idx[i] = _GONE
