@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -111,6 +115,25 @@ def test_the_bound_verifier_agrees_with_verify_cache_salt(key: bytes, pos: int, 
         assert verifier(salt) == verify_cache_salt(SECRET, BACKEND, salt)
     assert verifier(None) is None  # type: ignore[arg-type]
     assert SaltVerifier(SECRET, "vllm-2")(good) is None
+
+
+@given(st.sampled_from([0, 1, 31, 63, 64, 65, 100, 200]), st.randoms(use_true_random=False),
+       st.sampled_from(["b", "vllm-1", "x" * 80, "backend-가-1"]))
+def test_the_verifier_computes_rfc_2104_hmac_for_every_secret_length(
+    n: int, rnd: random.Random, backend: str,
+) -> None:
+    """The verifier builds HMAC-SHA256 from two precomputed hash states (RFC 2104 by hand, for
+    speed): the MAC it accepts is the `hmac` module's, for secrets shorter than, equal to and
+    longer than SHA-256's 64-byte block (a longer key is hashed first) and for message heads
+    that span a block; one bit off in the MAC and it refuses."""
+    secret, key = rnd.randbytes(n), rnd.randbytes(32)
+    msg = b"crs1\x00" + backend.encode() + b"\x00" + key
+    mac = hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
+    salt = f"crs1:{key.hex()}:{mac}"
+    verifier = SaltVerifier(secret, backend, cache_size=0)
+    assert verifier(salt) == key
+    flipped = f"{int(mac[-1], 16) ^ 1:x}"
+    assert verifier(salt[:-1] + flipped) is None
 
 
 def test_the_verifier_cache_is_bounded() -> None:
