@@ -98,6 +98,7 @@ class SimPublisher(AsyncLifecycle):
         self.replay_requests: list[int] = []  # start_seq of every valid request, in order
         self.subscriptions: list[bytes] = []  # subscribe messages seen by the XPUB
         self._sub_event = asyncio.Event()
+        self._replay_event = asyncio.Event()  # set on every replay request
         self._ctx: zmq.asyncio.Context | None = None
         self._pub: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -212,6 +213,14 @@ class SimPublisher(AsyncLifecycle):
                 self._sub_event.clear()
                 await self._sub_event.wait()
 
+    async def wait_for_replay_requests(self, count: int = 1, timeout_s: float = 5.0) -> None:
+        """Wait until `count` replay requests reached this publisher (each answered at once, from
+        the buffer as it was then)."""
+        async with asyncio.timeout(timeout_s):
+            while len(self.replay_requests) < count:
+                self._replay_event.clear()
+                await self._replay_event.wait()
+
     def _require_pub(self) -> zmq.asyncio.Socket:
         if self._pub is None:
             raise RuntimeError("SimPublisher is not started")
@@ -234,6 +243,7 @@ class SimPublisher(AsyncLifecycle):
             client_id, _, start = frames
             start_seq = int.from_bytes(start, "big")
             self.replay_requests.append(start_seq)
+            self._replay_event.set()
             if not self.replay_enabled:
                 continue
             # Sent in one go, with no await in between: the live stream cannot interleave.
