@@ -43,6 +43,9 @@ _MAC_BYTES: Final = 16
 SALT_LENGTH: Final = len(SALT_PREFIX) + 2 * KEY_BYTES + 1 + 2 * _MAC_BYTES
 _KEY_END: Final = len(SALT_PREFIX) + 2 * KEY_BYTES  # index of the ":" before the MAC
 _BLOCK: Final = 64  # SHA-256's block size: HMAC's key pad length
+# RFC 2104's pads as byte maps (the stdlib `hmac` module's own way: one C call per pad)
+_IPAD: Final = bytes(x ^ 0x36 for x in range(256))
+_OPAD: Final = bytes(x ^ 0x5C for x in range(256))
 
 
 def _mac(secret: bytes, backend: str, key: bytes) -> bytes:
@@ -88,8 +91,8 @@ class SaltVerifier:
         head = _MAC_DOMAIN + b"\x00" + backend.encode("utf-8") + b"\x00"
         # RFC 2104: a key longer than the block (64 bytes) is hashed first, then zero-padded
         k = (sha256(secret).digest() if len(secret) > _BLOCK else secret).ljust(_BLOCK, b"\x00")
-        self._inner: Any = _state(bytes(b ^ 0x36 for b in k) + head)
-        self._outer: Any = _state(bytes(b ^ 0x5C for b in k))
+        self._inner: Any = _state(k.translate(_IPAD) + head)
+        self._outer: Any = _state(k.translate(_OPAD))
         self._cache: dict[str, bytes | None] = {}
         self._cache_size = cache_size
 
