@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import Callable
 from typing import Literal, Self
 
 import structlog
@@ -208,18 +209,12 @@ class SimPublisher(AsyncLifecycle):
     async def wait_for_subscriber(self, count: int = 1, timeout_s: float = 5.0) -> None:
         """Wait until `count` subscriptions reached this publisher (so nothing published from
         now on is lost to ZMQ's slow-joiner window)."""
-        async with asyncio.timeout(timeout_s):
-            while self.subscribed < count:
-                self._sub_event.clear()
-                await self._sub_event.wait()
+        await _wait_until(self._sub_event, lambda: self.subscribed >= count, timeout_s)
 
     async def wait_for_replay_requests(self, count: int = 1, timeout_s: float = 5.0) -> None:
         """Wait until `count` replay requests reached this publisher (each answered at once, from
         the buffer as it was then)."""
-        async with asyncio.timeout(timeout_s):
-            while len(self.replay_requests) < count:
-                self._replay_event.clear()
-                await self._replay_event.wait()
+        await _wait_until(self._replay_event, lambda: len(self.replay_requests) >= count, timeout_s)
 
     def _require_pub(self) -> zmq.asyncio.Socket:
         if self._pub is None:
@@ -256,3 +251,11 @@ class SimPublisher(AsyncLifecycle):
         if self.replay_layout == "topic":
             return [client_id, b"", b"" if end else self._topic, seq, payload]
         return [client_id, b"", seq, payload]
+
+
+async def _wait_until(event: asyncio.Event, done: Callable[[], bool], timeout_s: float) -> None:
+    """Wait, at most `timeout_s`, until `done()`; `event` is set whenever it may have become so."""
+    async with asyncio.timeout(timeout_s):
+        while not done():
+            event.clear()
+            await event.wait()
