@@ -157,3 +157,22 @@ async def test_the_pump_gives_back_the_tokens_it_takes_and_counts_engine_clears(
         rt.hub.close()
     assert rt.stats.queued_tokens == 0
     assert rt.stats.clears == {"engine_cleared": 1}
+
+
+def test_settled_heap_is_frozen_and_young_objects_are_collected_less_often() -> None:
+    import gc  # noqa: PLC0415
+
+    from kv_listener.app import GC_YOUNG_THRESHOLD, settle_heap  # noqa: PLC0415
+
+    before = gc.get_threshold()
+    built_at_start = [{"a": []}]  # a container start-up made: frozen with the rest
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
+        assert GC_YOUNG_THRESHOLD > 700  # CPython's default: the collector ran every few batches
+        # collected survivors go to the oldest generation; frozen ones are in none of them
+        assert not any(o is built_at_start for o in gc.get_objects(generation=2))
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

@@ -186,10 +186,16 @@ class EventLog:
                 prefix, count, tier = t.prefix_hash, t.token_count, t.tier or _GPU_HOT
                 if pending:
                     pending.pop(prefix, None)  # type: ignore[arg-type]
-                old = live.get(prefix)  # type: ignore[arg-type]
-                if old is not None and old[0] == count and old[1] is tier:
-                    continue
-                live[prefix] = (count, tier, now)  # type: ignore[index]
+                # one lookup when the prefix is new (the common case), two when it is known;
+                # whether it was is told by the size (compiled, a tuple is a C struct that is
+                # boxed anew for each use: `old is new` would never hold)
+                n = len(live)
+                new = (count, tier, now)
+                old = live.setdefault(prefix, new)  # type: ignore[arg-type]
+                if len(live) == n:
+                    if old[0] == count and old[1] is tier:
+                        continue
+                    live[prefix] = new  # type: ignore[index]
                 self._seq = seq = self._seq + 1
                 event = _CACHE_CREATED if tier is _GPU_HOT else _CACHE_OFFLOADED  # upsert_event
                 rec = Record(f"{head}{seq}", event, backend, prefix, count, tier, now)

@@ -33,6 +33,15 @@ def _cheap_sha256() -> Any:
 
 
 _state: Final[Any] = _cheap_sha256()
+# The state type's methods, looked up once: compiled (setup.py), `obj.copy()` on an untyped
+# object looks the name up on every call; a method descriptor held as a C static is called
+# directly (a salt takes five such calls).
+_STATE_TYPE: Final[Any] = type(_state(b""))
+_copy: Final[Any] = _STATE_TYPE.copy
+_update: Final[Any] = _STATE_TYPE.update
+_digest: Final[Any] = _STATE_TYPE.digest
+_hexdigest: Final[Any] = _STATE_TYPE.hexdigest
+_compare_digest: Final = hmac.compare_digest
 
 # Final: compiled (setup.py), constants are C statics, not a module dict lookup per read
 SALT_PREFIX: Final = "crs1:"
@@ -129,10 +138,10 @@ class SaltVerifier:
             return None
         if key.hex() != key_hex:
             return None
-        inner = self._inner.copy()
-        inner.update(key)
-        outer = self._outer.copy()
-        outer.update(inner.digest())
-        if not hmac.compare_digest(outer.digest()[:_MAC_BYTES].hex(), salt[_KEY_END + 1:]):
+        inner = _copy(self._inner)
+        _update(inner, key)
+        outer = _copy(self._outer)
+        _update(outer, _digest(inner))
+        if not _compare_digest(_hexdigest(outer)[:2 * _MAC_BYTES], salt[_KEY_END + 1:]):
             return None
         return key
