@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import operator
 import secrets
 import time
 from collections import Counter, deque
@@ -41,6 +42,10 @@ DEFAULT_PING_INTERVAL_S = 15.0
 # that is catching up, without building one huge buffer for a 100k-record replay.
 _CHUNK_RECORDS = 512
 _LABELS = {e: e.value for e in RecordEvent}
+# Per-record work here runs in C: this module is not compiled, and a busy engine makes two
+# records per block (a comprehension or generator over them is a loop of bytecodes).
+_LABEL_OF = _LABELS.__getitem__
+_EVENT_OF = operator.attrgetter("event")
 
 
 class StreamError(Exception):
@@ -118,7 +123,7 @@ class BackendStreams:
         if not records:
             return
         # label by a dict of the members: `.value` is a Python-level property per record
-        self.counters.records.update([_LABELS[r.event] for r in records])
+        self.counters.records.update(map(_LABEL_OF, map(_EVENT_OF, records)))
         if not self.consumers:
             return  # nobody to encode for (a later consumer replays from the log)
         encoded = encode_record_list(records)
@@ -183,8 +188,11 @@ class EventStream:
         while True:
             if c.queue:
                 q = c.queue
-                n = min(len(q), _CHUNK_RECORDS)
-                return b"".join(q.popleft() for _ in range(n))
+                if len(q) <= _CHUNK_RECORDS:
+                    chunk = b"".join(q)
+                    q.clear()
+                    return chunk
+                return b"".join([q.popleft() for _ in range(_CHUNK_RECORDS)])
             if c.end is not None:
                 reason = c.end
                 self._finish(reason)
