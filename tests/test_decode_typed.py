@@ -158,3 +158,22 @@ def test_a_field_nobody_reads_does_not_sink_the_batch() -> None:
     bad = good.replace(b"\xa2ab", b"\xa2\xff\xfe")
     assert decode_zmq_payload(Engine.VLLM, bad).batch.events == (BlockRemoved((1,)),)
     assert outcome(reference, Engine.VLLM, bad) is decode.DropReason.INVALID_MSGPACK
+
+
+@pytest.mark.parametrize("bad", [1 << 32, -1])
+@pytest.mark.parametrize("layout", ["array", "map"])
+def test_a_token_outside_u32_is_bad_tokens_even_in_an_event_over_the_token_cap(
+        bad: int, layout: str) -> None:
+    """The typed layouts take token IDs as plain ints (`array("I")` checks their range): the
+    event must still count as the reference decoder counts it, BAD_TOKENS before any cap."""
+    toks = [1, 2, bad, 4]
+    ev: Any = (["BlockStored", [5], None, toks, 4] if layout == "array" else
+               {"type": "BlockStored", "block_hashes": [5], "token_ids": toks, "block_size": 4})
+    good: Any = ["BlockRemoved", [9]] if layout == "array" else {"type": "BlockRemoved",
+                                                                 "block_hashes": [9]}
+    payload = msgpack.packb([1.0, [ev, good], 0])
+    for cap in (2, 100):
+        same(Engine.VLLM, payload, max_event_tokens=cap)
+        got = decode_zmq_payload(Engine.VLLM, payload, max_event_tokens=cap)
+        assert got.drops == {decode.DropReason.BAD_TOKENS: 1}
+        assert got.batch.events == (BlockRemoved((9,)),)

@@ -266,7 +266,9 @@ def _decode_typed(
         for ev in batch.events:
             t = type(ev)
             if t in _STORED_TYPES:
-                toks = ev.token_ids
+                # tokens first, as the reference decoder reads them: a value outside u32 is its
+                # BAD_TOKENS even in an event too big to keep
+                toks = wire_tokens(ev.token_ids, False)
                 hs = ev.block_hashes
                 if len(toks) > max_event_tokens:
                     drops[DropReason.TOO_MANY_TOKENS] += 1
@@ -285,15 +287,18 @@ def _decode_typed(
                     lora_name, group, extra, salt, kind = ev.lora_name, None, None, ev.cache_salt, None
                 parent = ev.parent_block_hash
                 out.append(BlockStored(
-                    tuple([h & _M for h in hs]), None if parent is None else parent & _M,
-                    wire_tokens(toks, False), ev.block_size, ev.lora_id, lora_name, ev.medium, group,
+                    # msgspec gives msgpack ints: -2^63 .. 2^64 - 1; only negatives need the mask
+                    tuple([h if h >= 0 else h & _M for h in hs]),
+                    None if parent is None else parent if parent >= 0 else parent & _M,
+                    toks, ev.block_size, ev.lora_id, lora_name, ev.medium, group,
                     extra, salt, kind))
             elif t in _REMOVED_TYPES:
                 hs = ev.block_hashes
                 if len(hs) > max_event_hashes:
                     drops[DropReason.TOO_MANY_HASHES] += 1
                     continue
-                out.append(BlockRemoved(tuple([h & _M for h in hs]), ev.medium, ev.group_idx))
+                out.append(BlockRemoved(tuple([h if h >= 0 else h & _M for h in hs]), ev.medium,
+                                        ev.group_idx))
             else:
                 out.append(CLEARED)
     except (EventDrop, *EVENT_ERRORS):

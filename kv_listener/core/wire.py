@@ -24,7 +24,11 @@ from kv_listener.core.model import Engine
 
 __all__ = ["REMOVED_TYPES", "STORED_TYPES", "typed_batch"]
 
-_U32 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]
+# Token IDs are plain ints here: `core.decode` puts them in an `array("I")`, which refuses any
+# value outside 0 .. 2^32 - 1 (then the reference decoder takes the payload), so a range
+# constraint would check every token twice (msgspec's constrained int costs about twice its
+# plain one).
+_TOKENS = list[int]
 _SIZE = Annotated[int, msgspec.Meta(ge=0)]
 
 
@@ -35,7 +39,7 @@ _MAP = {"tag_field": "type", "frozen": True, "gc": False}
 
 class _VllmStoredMap(msgspec.Struct, tag="BlockStored", **_MAP):
     block_hashes: list[int]
-    token_ids: list[_U32]
+    token_ids: _TOKENS
     block_size: _SIZE
     parent_block_hash: int | None = None
     lora_id: int | None = None
@@ -48,7 +52,7 @@ class _VllmStoredMap(msgspec.Struct, tag="BlockStored", **_MAP):
 
 class _SglangStoredMap(msgspec.Struct, tag="BlockStored", **_MAP):
     block_hashes: list[int]
-    token_ids: list[_U32]
+    token_ids: _TOKENS
     block_size: _SIZE
     parent_block_hash: int | None = None
     lora_id: int | None = None
@@ -76,7 +80,7 @@ _ARR = {"array_like": True, "frozen": True, "gc": False}
 class _VllmStoredArray(msgspec.Struct, tag="BlockStored", **_ARR):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[_U32]
+    token_ids: _TOKENS
     block_size: _SIZE
     lora_id: int | None = None
     medium: str | None = None
@@ -93,7 +97,7 @@ class _SglangMeta(msgspec.Struct, frozen=True, gc=False):
 class SglangStoredArray(msgspec.Struct, tag="BlockStored", **_ARR):
     block_hashes: list[int]
     parent_block_hash: int | None
-    token_ids: list[_U32]
+    token_ids: _TOKENS
     block_size: _SIZE
     lora_id: int | None = None
     medium: str | None = None
