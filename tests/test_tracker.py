@@ -796,8 +796,8 @@ def test_filled_tracker_memory_stays_within_a_generous_bound() -> None:
 
 def test_records_stay_exact_through_colliding_hashes_index_rebuilds_and_arena_compaction() -> None:
     """Hashes that agree in their low 40 bits (a hostile engine's, or a poor hash), thousands
-    of pending chains whose tokens fill the arena, random removals that leave tombstones and
-    garbage until the index is rebuilt and the arena compacted: every record keeps its parent,
+    of pending chains whose tokens fill the arena, random removals that close gaps in the
+    index's runs and leave garbage until the arena is compacted: every record keeps its parent,
     chain length and own tokens, as a plain model of the same events says."""
     rng = random.Random(5)
     t = make(limits=Limits(max_tracked_blocks=20_000, max_chain_tokens=64))
@@ -833,7 +833,7 @@ def test_records_stay_exact_through_colliding_hashes_index_rebuilds_and_arena_co
 
 
 def _longest_probe_run(t: Tracker) -> int:
-    """The longest run of used positions (records and tombstones) in the tracker's hash index:
+    """The longest run of used positions in the tracker's hash index:
     the most positions a lookup of a missing hash can probe."""
     idx = list(t._idx)
     best = run = 0
@@ -841,6 +841,49 @@ def _longest_probe_run(t: Tracker) -> int:
         run = run + 1 if v != -1 else 0
         best = max(best, run)
     return min(best, len(idx))
+
+
+def _index_invariant_holds(t: Tracker) -> bool:
+    """Linear probing's invariant: every record sits at its home position or after it with no
+    empty position in between (a lookup that stops at the first empty position finds it)."""
+    idx = list(t._idx)
+    mask = len(idx) - 1
+    for j, s in enumerate(idx):
+        if s == -1:
+            continue
+        i = t._pos(t._hash[s], t._shift)
+        while i != j:
+            if idx[i] == -1:
+                return False
+            i = (i + 1) & mask
+    return True
+
+
+def test_removals_leave_no_tombstones_and_every_record_stays_reachable() -> None:
+    """Random stores and removals, hundreds per batch, the live count rising and falling
+    through the index's growth: after each batch the index holds exactly the live records
+    (no positions left behind by removed ones), each reachable from its home position, and the
+    tracker finds exactly the hashes a plain model holds."""
+    rng = random.Random(8)
+    t = make(limits=Limits(max_tracked_blocks=1_000_000))
+    live: set[int] = set()
+    sizes = set()
+    for step in range(120):
+        evs: list[KvEvent] = [stored([h], [7] * BS) for h in
+                              {rng.getrandbits(64) for _ in range(rng.randrange(50, 400))} - live]
+        live.update(ev.block_hashes[0] for ev in evs)  # type: ignore[union-attr]
+        if step > 3:
+            gone = rng.sample(sorted(live), min(len(live), rng.randrange(100, 450)))
+            evs.append(BlockRemoved(tuple(gone)))
+            live.difference_update(gone)
+        t.apply(batch(*evs))
+        assert sum(1 for s in t._idx if s != -1) == t.blocks_tracked == len(live)
+        assert _index_invariant_holds(t)
+        sizes.add(len(t._idx))
+    assert set(t.records()) == live
+    missing = [rng.getrandbits(64) for _ in range(2000)]
+    assert all(t._find(h) == -1 for h in missing if h not in live)
+    assert len(sizes) >= 2  # the index grew on the way (and stayed valid through it)
 
 
 M61 = (1 << 61) - 1
