@@ -39,6 +39,7 @@ from kv_listener.core.model import (
     TransitionKind,
 )
 from kv_listener.core.prefix import prefix_key
+from kv_listener.core.record_state import NO_SLOT
 from kv_listener.core.salt import issue_cache_salt, verify_cache_salt
 from kv_listener.core.tracker import Tracker, TrackerNotice, UnattributedReason
 
@@ -838,7 +839,7 @@ def _longest_probe_run(t: Tracker) -> int:
     idx = list(t._idx)
     best = run = 0
     for v in idx + idx:  # twice: a run may wrap around the end
-        run = run + 1 if v != -1 else 0
+        run = run + 1 if v != NO_SLOT else 0
         best = max(best, run)
     return min(best, len(idx))
 
@@ -849,11 +850,11 @@ def _index_invariant_holds(t: Tracker) -> bool:
     idx = list(t._idx)
     mask = len(idx) - 1
     for j, s in enumerate(idx):
-        if s == -1:
+        if s == NO_SLOT:
             continue
         i = t._pos(t._hash[s], t._shift)
         while i != j:
-            if idx[i] == -1:
+            if idx[i] == NO_SLOT:
                 return False
             i = (i + 1) & mask
     return True
@@ -877,12 +878,12 @@ def test_removals_leave_no_tombstones_and_every_record_stays_reachable() -> None
             evs.append(BlockRemoved(tuple(gone)))
             live.difference_update(gone)
         t.apply(batch(*evs))
-        assert sum(1 for s in t._idx if s != -1) == t.blocks_tracked == len(live)
+        assert sum(1 for s in t._idx if s != NO_SLOT) == t.blocks_tracked == len(live)
         assert _index_invariant_holds(t)
         sizes.add(len(t._idx))
     assert set(t.records()) == live
     missing = [rng.getrandbits(64) for _ in range(2000)]
-    assert all(t._find(h) == -1 for h in missing if h not in live)
+    assert all(t._find(h) == NO_SLOT for h in missing if h not in live)
     assert len(sizes) >= 2  # the index grew on the way (and stayed valid through it)
 
 

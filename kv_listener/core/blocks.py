@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # annotations only: compiled, a machine integer; run from sou
 # stops at the first empty position and the index is rebuilt only to grow. (With tombstones a
 # steady churn rebuilt it over and over, each time removals had left about a quarter of it to
 # them; a rebuild walks every record: 0.45 s of CPU at a million blocks here, a stalled loop.)
-_EMPTY: Final = -1  # index position that holds no record
+_EMPTY: Final = NO_SLOT  # index position that holds no record
 _U64: Final = (1 << 64) - 1
 # Index positions: Python's hash of the block hash (h mod 2^61 - 1, computed in C) and h's low 3
 # bits (no more than 2 u64 hashes share both), cut into 13-bit pieces, then
@@ -113,14 +113,14 @@ class BlockTable:
         self._state = []
         self._toff = array(self._offset_code)  # own tokens: arena[toff:toff+tlen]
         self._tlen = array("I")
-        self._older = array("i")  # pruning order: least recently stored first
-        self._newer = array("i")
+        self._older = array("I")  # pruning order: least recently stored first
+        self._newer = array("I")
         self._oldest = NO_SLOT
         self._newest = NO_SLOT
-        self._free = array("i")  # slots of removed records, reused first
+        self._free = array("I")  # slots of removed records, reused first
         self._live = 0
         # index: hash -> slot, open addressing with linear probing
-        self._idx = array("i", [_EMPTY]) * _MIN_INDEX
+        self._idx = array("I", [_EMPTY]) * _MIN_INDEX
         self._mask = _MIN_INDEX - 1
         self._shift = _MIX_BITS - (_MIN_INDEX.bit_length() - 1)
         # tokens of the records that keep some; `_garbage` of them belong to no record any more
@@ -267,7 +267,7 @@ class BlockTable:
         size = _MIN_INDEX
         while size < 2 * self._live:
             size <<= 1
-        idx: array[int] = array("i", [_EMPTY]) * size
+        idx: array[int] = array("I", [_EMPTY]) * size
         mask = size - 1
         shift = _MIX_BITS - (size.bit_length() - 1)
         hashes = self._hash

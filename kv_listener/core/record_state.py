@@ -38,8 +38,10 @@ LAST_PENDING: Final = 1
 LAST_FAILED: Final = 2
 
 
-#: No record (slot numbers are >= 0).
-NO_SLOT: Final = -1
+#: No record: the largest u32 (slots are 0 .. 2^32 - 2). The slot columns are arrays of typecode
+#: "I": an unsigned item is stored with one C conversion, a signed one ("i") through
+#: `PyArg_Parse` (about 250 instructions more per write, several writes per block).
+NO_SLOT: Final = (1 << 32) - 1
 
 
 class UnattributedReason(enum.StrEnum):
