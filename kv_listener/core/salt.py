@@ -142,6 +142,7 @@ class SaltVerifier:
         _update(inner, key)
         outer = _copy(self._outer)
         _update(outer, _digest(inner))
-        if not _compare_digest(_hexdigest(outer)[:2 * _MAC_BYTES], salt[_KEY_END + 1:]):
+        mac: str = _hexdigest(outer)  # typed: a str slice, not a generic one
+        if not _compare_digest(mac[:2 * _MAC_BYTES], salt[_KEY_END + 1:]):
             return None
         return key
