@@ -178,7 +178,9 @@ class EventLog:
         out = self.flush(now) if self._due_heap else []
         # CREATED and EVICTED, the bulk of a busy engine's records, inline (what _upsert and
         # _evict do); the rest through the methods
-        live, pending, history = self._live, self._pending, self._history
+        live, pending = self._live, self._pending
+        # bound once: compiled, `deque.append` by name is a method lookup per call
+        remember = self._history.append
         head, backend = f"{self.epoch}-", self.backend
         for t in batch:
             kind = t.kind
@@ -199,7 +201,7 @@ class EventLog:
                 self._seq = seq = self._seq + 1
                 event = _CACHE_CREATED if tier is _GPU_HOT else _CACHE_OFFLOADED  # upsert_event
                 rec = Record(f"{head}{seq}", event, backend, prefix, count, tier, now)
-                history.append(rec)
+                remember(rec)
                 out.append(rec)
                 continue
             if kind is _EVICTED:
@@ -210,7 +212,7 @@ class EventLog:
                     continue  # consumers never heard of it: nothing to take back
                 self._seq = seq = self._seq + 1
                 rec = Record(f"{head}{seq}", _CACHE_EVICTED, backend, prefix, None, None, now)
-                history.append(rec)
+                remember(rec)
                 out.append(rec)
                 continue
             if kind is TransitionKind.CLEARED:
