@@ -795,6 +795,39 @@ def test_filled_tracker_memory_stays_within_a_generous_bound() -> None:
     assert (grown2 - grown * t2.blocks_tracked / n) / t2.tokens_retained < 6
 
 
+def test_a_key_per_chain_of_sixteen_blocks_costs_little_beyond_the_records() -> None:
+    """The memory bench's chain shape (bench/peers.py --mem-chains 16): salted chains of 16
+    blocks, each its own prefix key, through the daemon's verifier. A key's aggregate used to
+    cost ~950 bytes here (a dict of its 16 chain lengths 632, the key's bytes beside its hex),
+    60 bytes a block on top of the ~66 of the records; Dynamo's indexer takes 113 B a block for
+    this stream (RSS)."""
+    from kv_listener.core.salt import SaltVerifier  # noqa: PLC0415
+
+    chains, per = 800, 16
+    n = chains * per
+    t = make(limits=Limits(max_tracked_blocks=n), salt_verifier=SaltVerifier(SECRET, BACKEND))
+    big = 1 << 63  # real hashes are 64-bit: 36-byte ints
+    evs = []
+    for c in range(chains):
+        salt = issue_cache_salt(SECRET, BACKEND, hashlib.sha256(b"k%d" % c).digest())
+        hashes = [big + c * per + i for i in range(per)]
+        evs.append(batch(stored(hashes, [c % 1000] * (BS * per), extra_keys=((salt,),))))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for ev in evs:
+            t.apply(ev)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert t.blocks_tracked == n and t.tokens_retained == 0
+    assert len(t.snapshot()) == chains
+    assert set(t.snapshot().values()) == {(per * BS, Tier.GPU_HOT)}
+    assert grown / n < 92, grown / n
+
+
 def test_records_stay_exact_through_colliding_hashes_index_rebuilds_and_arena_compaction() -> None:
     """Hashes that agree in their low 40 bits (a hostile engine's, or a poor hash), thousands
     of pending chains whose tokens fill the arena, random removals that close gaps in the

@@ -221,9 +221,10 @@ def check(sim: Sim, limits: Limits) -> None:
     ref: dict[str, tuple[int, bool]] = {}
     records = t.records()
     for h, rec in records.items():
-        k = getattr(rec.state, "key", None)
-        if not isinstance(rec.state, type(None)) and hasattr(rec.state, "prefix_hash"):
-            assert isinstance(k, bytes)
+        ph = getattr(rec.state, "prefix_hash", None)
+        if ph is not None:  # attributed: the key's hex is all a key aggregate keeps
+            assert isinstance(ph, str)
+            k = bytes.fromhex(ph)
             real = sim.tokens_of[h]
             assert rec.chain_len == len(real)
             if h in sim.salt_key:
@@ -302,3 +303,49 @@ def test_tracker_matches_the_reference(
     check(sim, limits)
     assert sim.live == {} and t.blocks_tracked == 0 and t.tokens_retained == 0
     assert t.pending == 0
+
+
+# Chain lengths a key's counts meet: block multiples, repeats, and past 2^32 (its dict form).
+_LENGTHS = st.sampled_from([16, 32, 48, 64, 80, 7, (1 << 32) - 1, 1 << 32, (1 << 40) + 16])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), _LENGTHS, st.booleans(), st.integers(0, 1 << 16)),
+                max_size=80))
+def test_key_aggregate_counts_match_a_multiset(ops: list[tuple[bool, int, bool, int]]) -> None:
+    """`KeyAggregate` against a `Counter` of the (length, gpu) of its blocks: blocks, gpu and
+    the longest chain after every add and every removal of a block it holds, whichever form its
+    counts are in (none, packed u64s, dict)."""
+    from collections import Counter  # noqa: PLC0415
+
+    from kv_listener.core.record_state import KeyAggregate  # noqa: PLC0415
+
+    k = KeyAggregate("ab" * 32)
+    held: Counter[tuple[int, bool]] = Counter()
+    for add, length, gpu, pick in ops:
+        if add or not held:
+            k.add(length, gpu)
+            held[(length, gpu)] += 1
+        else:
+            items = sorted(held.elements())
+            length, gpu = items[pick % len(items)]
+            k.remove(length, gpu)
+            held[(length, gpu)] -= 1
+            held += Counter()  # drop the zero counts
+        assert k.blocks == sum(held.values())
+        assert k.gpu == sum(n for (_, g), n in held.items() if g)
+        assert k.max_len == max((n for n, _ in held), default=0)
+        per_len: Counter[int] = Counter()
+        for (n, _), c in held.items():
+            per_len[n] += c
+        assert _counts_of(k) == dict(per_len)
+
+
+def _counts_of(k: object) -> dict[int, int]:
+    """A `KeyAggregate`'s blocks per chain length, whichever form it holds them in."""
+    lengths = getattr(k, "lengths")  # noqa: B009 (typed loosely: a compiled class)
+    if lengths is None:
+        return {k.max_len: k.blocks} if k.blocks else {}  # type: ignore[attr-defined]
+    if isinstance(lengths, dict):
+        return dict(lengths)
+    return {v >> 32: v & 0xFFFFFFFF for v in lengths}

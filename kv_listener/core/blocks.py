@@ -80,7 +80,7 @@ class BlockTable:
     _free: array[int]
     _idx: array[int]
     _arena: array[int]
-    _keys: dict[bytes, KeyAggregate]
+    _keys: dict[str, KeyAggregate]  # by prefix_hash (the key's hex: the key's only copy)
     _touched: dict[KeyAggregate, tuple[bool, int, bool]]
 
     def __init__(self, limits: Limits) -> None:
@@ -389,10 +389,10 @@ class BlockTable:
 
     # --- per-key aggregates and transitions -----------------------------------------------
 
-    def _intern(self, key: bytes) -> KeyAggregate:
-        k = self._keys.get(key)
+    def _intern(self, prefix_hash: str) -> KeyAggregate:
+        k = self._keys.get(prefix_hash)
         if k is None:
-            k = self._keys[key] = KeyAggregate(key)
+            k = self._keys[prefix_hash] = KeyAggregate(prefix_hash)
             self._touch_key(k)  # so that a key that never gets a block is dropped at flush
         return k
 
@@ -417,8 +417,8 @@ class BlockTable:
             else:
                 if was_live:
                     out.append(PrefixTransition(_EVICTED, k.prefix_hash))
-                if keys.get(k.key) is k:
-                    del keys[k.key]
+                if keys.get(k.prefix_hash) is k:
+                    del keys[k.prefix_hash]
         self._touched.clear()
 
     def _attribute(self, r: int, k: KeyAggregate) -> None:

@@ -387,7 +387,7 @@ class ChainResolution(BlockTable):
 
     def _resolve_chain(self, chain: Chain, key: bytes, d: int) -> None:
         """Settle `chain` as resolved at d, and through it the branches that waited for it."""
-        k = self._intern(key)
+        k = self._intern(key.hex())
         clen = self._clen
         work = [(chain, d)]
         while work:
@@ -437,7 +437,7 @@ class ChainResolution(BlockTable):
         """A probe showed that root..d (d < ch.d) already determines `ch`'s key."""
         if ch.status != RESOLVED or ch.key is None or d >= ch.d:
             return
-        k = self._intern(ch.key)
+        k = self._intern(ch.key.hex())
         ch.d = d
         if ch.tokens is not None and len(ch.tokens) > d:
             self._tokens -= len(ch.tokens) - d

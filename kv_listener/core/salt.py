@@ -102,28 +102,34 @@ class SaltVerifier:
         k = (sha256(secret).digest() if len(secret) > _BLOCK else secret).ljust(_BLOCK, b"\x00")
         self._inner: Any = _state(k.translate(_IPAD) + head)
         self._outer: Any = _state(k.translate(_OPAD))
-        self._cache: dict[str, bytes | None] = {}
+        self._cache: dict[str, str | None] = {}  # salt -> its key's hex
         self._cache_size = cache_size
 
     def __call__(self, salt: object) -> bytes | None:
         return self.verify(salt)
 
     def verify(self, salt: object) -> bytes | None:
-        """The key `salt` carries, or None (`verify_cache_salt`). Compiled callers call this
+        """The key `salt` carries, or None (`verify_cache_salt`)."""
+        key_hex = self.verify_hex(salt)
+        return None if key_hex is None else bytes.fromhex(key_hex)
+
+    def verify_hex(self, salt: object) -> str | None:
+        """The key `salt` carries as 64 lowercase hex digits (its `prefix_hash`), or None: the
+        tracker's call, which keeps the key as that text only. Compiled callers call this
         method: mypyc calls a method directly, an object's `__call__` through Python."""
         if not isinstance(salt, str):
             return None
         cache = self._cache
         if salt in cache:
             return cache[salt]
-        key = self._verify(salt)
+        key_hex = self._verify(salt)
         if self._cache_size:
             if len(cache) >= self._cache_size:
                 cache.clear()
-            cache[salt] = key
-        return key
+            cache[salt] = key_hex
+        return key_hex
 
-    def _verify(self, salt: str) -> bytes | None:
+    def _verify(self, salt: str) -> str | None:
         # What `_SALT_RE.fullmatch` accepts, checked piecewise: ASCII (compare_digest refuses
         # other text), the exact length, prefix and separator; a key part of 64 hex digits that
         # are all lowercase (fromhex also takes uppercase and skips whitespace: its bytes must
@@ -145,4 +151,4 @@ class SaltVerifier:
         mac: str = _hexdigest(outer)  # typed: a str slice, not a generic one
         if not _compare_digest(mac[:2 * _MAC_BYTES], salt[_KEY_END + 1:]):
             return None
-        return key
+        return key_hex

@@ -418,7 +418,7 @@ class Tracker(ChainResolution):
             return fork, None, _STEP_NEW
         if st.status == RESOLVED and st.key is not None:
             if self._clen[prev] >= st.d:  # tightened below it after it was stored
-                k = self._intern(st.key)
+                k = self._intern(st.key.hex())
                 self._attribute(prev, k)
                 self._chain_lost_block(st, prev)
                 return k, None, None
@@ -442,16 +442,21 @@ class Tracker(ChainResolution):
             else:
                 salt = self._salt_of(ev)
             if salt is not None:
-                # The daemon's verifier through its method: compiled (setup.py), a method call is
-                # a direct C call, a callable object's a call through Python.
-                key = (verify.verify(salt) if isinstance(verify, CacheSaltVerifier)
-                       else verify(salt))
-                if isinstance(key, bytes) and len(key) == KEY_BYTES:
-                    k = self._keys.get(key)
+                # The daemon's verifier through its method (compiled, setup.py: a method call is
+                # a direct C call, a callable object's a call through Python), which gives the
+                # key's hex, the salt's own text: no bytes of the key are kept.
+                if isinstance(verify, CacheSaltVerifier):
+                    prefix_hash = verify.verify_hex(salt)
+                else:
+                    key = verify(salt)
+                    ok = isinstance(key, bytes) and len(key) == KEY_BYTES
+                    prefix_hash = key.hex() if ok else None  # type: ignore[union-attr]
+                if prefix_hash is not None:
+                    k = self._keys.get(prefix_hash)
                     if k is None:
                         # _intern without its touch: the caller stores the block at once, which
                         # touches the key (a key is never left without a block here)
-                        k = self._keys[key] = KeyAggregate(key)
+                        k = self._keys[prefix_hash] = KeyAggregate(prefix_hash)
                     return k, None, None
                 self.salt_rejected += 1
                 self._notice(TrackerNotice.SALT_REJECTED)
