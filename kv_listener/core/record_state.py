@@ -78,8 +78,8 @@ class KeyAggregate:
     `length << 32 | count`, sorted by length: 8 bytes per distinct length, where a dict took
     about 40 and its table (632 bytes for a chain of 16 blocks, most of the memory of a salted
     key). A count fits in 32 bits (a source tracks fewer than 2^32 - 1 records: slots are
-    u32); a chain length of 2^32 tokens or more (never seen, but not excluded by the bounds)
-    turns the key's counts into a dict for good."""
+    u32). A chain length of 2^32 tokens or more (never seen, but not excluded by the bounds), or
+    more than `_PACKED_MAX` distinct lengths, turns the key's counts into a dict for good."""
 
     __slots__ = ("blocks", "gpu", "lengths", "max_len", "prefix_hash")
 
@@ -104,7 +104,8 @@ class KeyAggregate:
                 return
             lengths = self.lengths = _counts(self.max_len, self.blocks)
         self.blocks += 1
-        if isinstance(lengths, array) and chain_len >= _PACKABLE:
+        if isinstance(lengths, array) and (chain_len >= _PACKABLE or (
+                len(lengths) >= _PACKED_MAX and chain_len != self.max_len)):
             lengths = self.lengths = {v >> _COUNT_BITS: v & _COUNT_MASK for v in lengths}
         if isinstance(lengths, dict):
             lengths[chain_len] = lengths.get(chain_len, 0) + 1
@@ -155,6 +156,11 @@ class KeyAggregate:
 _COUNT_BITS: Final = 32
 _COUNT_MASK: Final = (1 << 32) - 1
 _PACKABLE: Final = 1 << 32  # chain lengths below this share a u64 with their count
+# More distinct lengths than this and a key's counts become a dict: a binary search on an
+# `array` is a call through Python with a boxed int per probe, and a key with that many lengths
+# has that many blocks at least (the chat workload's shared prompts: 4,900 instructions more
+# per block with arrays of hundreds of lengths).
+_PACKED_MAX: Final = 32
 
 
 def _counts(length: int, blocks: int) -> array[int] | dict[int, int]:
