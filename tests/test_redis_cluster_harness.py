@@ -65,10 +65,14 @@ async def test_failover_mid_writes_keeps_every_replicated_write(redis_cluster: L
     replicated: dict[str, int] = {}  # acknowledged by the master and by WAIT 1 100
     errors: dict[str, int] = {}
     n = 0
+    dead_slots: list[tuple[int, int]] = []  # the killed master's, once it is killed
+    into_dead = 0  # writes begun on those slots while the failover was under way
 
     async def write() -> bool:
-        nonlocal n
+        nonlocal n, into_dead
         key, n = f"fo:{n}", n + 1
+        if dead_slots and any(a <= slot_of(key) <= b for a, b in dead_slots):
+            into_dead += 1
         try:
             await rc.set(key, n)
             # The node that took the SET: asked before it, a slot map from before the promotion
@@ -85,6 +89,7 @@ async def test_failover_mid_writes_keeps_every_replicated_write(redis_cluster: L
         for _ in range(100):
             assert await write()
         started = time.monotonic()
+        dead_slots.extend(redis_cluster.master_of("fo:0").slots)
         killed = redis_cluster.kill_master_of("fo:0")
         failover = asyncio.create_task(asyncio.to_thread(redis_cluster.wait_failover, killed))
         attempts = 0
@@ -97,6 +102,7 @@ async def test_failover_mid_writes_keeps_every_replicated_write(redis_cluster: L
         failover_s = time.monotonic() - started
         # Reconnected: every write after the failover succeeds (the promoted master has no
         # replica yet, so WAIT says 0 for its keys: those writes are not counted as replicated).
+        dead_slots.clear()
         for _ in range(30):
             assert await write(), errors
         await asyncio.to_thread(redis_cluster.restart, killed)
@@ -104,7 +110,11 @@ async def test_failover_mid_writes_keeps_every_replicated_write(redis_cluster: L
         lost = [k for k, v in replicated.items() if await rc.get(k) != str(v)]
         assert not lost, f"{len(lost)} replicated writes lost, e.g. {lost[:5]}"
         assert failover_s < 10, failover_s
-        assert errors, "the failover was not seen by the writer"
+        # The writer met the failover: writes went to the dead master's slots while it was
+        # under way. Whether one failed or redis-py's own retries carried it through to the
+        # promoted replica depends on timing (a failed write is paced by 20 ms, a retried one
+        # waits inside the client), so neither is asserted: what is, is that nothing was lost.
+        assert into_dead, ("the failover was not seen by the writer", errors)
     finally:
         await rc.aclose()
 
