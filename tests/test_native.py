@@ -53,6 +53,38 @@ def test_the_group_is_compiled_whole_or_not_at_all() -> None:
         assert all(state.values()), f"the build fell back to pure Python: {state}"
 
 
+def test_the_structs_of_compiled_modules_keep_their_declared_options() -> None:
+    """mypyc drops class keywords (python/mypy#21938): a `msgspec.Struct` declared
+    `frozen=True, gc=False` in a compiled module came out mutable and tracked by the cyclic GC
+    unless it derives from `core.structs`' bases, which keep the options uncompiled. Each Struct
+    of a compiled module has the options its class statement names (read from the source)."""
+    import gc  # noqa: PLC0415
+
+    import msgspec  # noqa: PLC0415
+
+    checked = 0
+    for name in native_modules():
+        module = importlib.import_module(name)
+        tree = ast.parse((ROOT / (name.replace(".", "/") + ".py")).read_text())
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            cls = getattr(module, node.name)
+            if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+                continue
+            declared = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            config = cls.__struct_config__
+            assert declared, f"{name}.{node.name} declares no options"
+            for option, value in declared.items():
+                assert getattr(config, option) == value, (name, node.name, option, compiled(name))
+            fields = msgspec.structs.fields(cls)
+            if not config.gc:
+                instance = cls(*(None for _ in fields))
+                assert not gc.is_tracked(instance), (name, node.name)
+            checked += 1
+    assert checked >= 8  # Record, Replay, the decoders' batches, SseEvent, the log's entries
+
+
 def run_driver(seed: int, pure_copy: Path | None) -> dict[str, object]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)

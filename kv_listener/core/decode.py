@@ -33,7 +33,6 @@ from collections import Counter
 from typing import Any, Final
 
 import msgpack
-import msgspec
 
 from kv_listener.core import wire
 from kv_listener.core.decode_events import (
@@ -60,6 +59,7 @@ from kv_listener.core.model import (
     EventBatch,
     KvEvent,
 )
+from kv_listener.core.structs import FrozenStruct
 
 __all__ = [
     "DecodeError",
@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 
-class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
+class DecodedBatch(FrozenStruct, frozen=True, gc=False):
     """One decoded vLLM/SGLang batch.
 
     `raw_events` is the number of events on the wire (decoded + dropped); `drops` maps a

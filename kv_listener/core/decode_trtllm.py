@@ -13,8 +13,6 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from kv_listener.core.decode_events import (
     EVENT_ERRORS,
     DecodeError,
@@ -34,9 +32,10 @@ from kv_listener.core.model import (
     CacheCreated,
     KvEvent,
 )
+from kv_listener.core.structs import FrozenStruct
 
 
-class TrtllmRecord(msgspec.Struct, frozen=True, gc=False):
+class TrtllmRecord(FrozenStruct, frozen=True, gc=False):
     """One record of a TRT-LLM `/kv_cache_events` response.
 
     `events` is empty when the record's `data` was dropped (malformed, unknown type, an `updated`
@@ -50,7 +49,7 @@ class TrtllmRecord(msgspec.Struct, frozen=True, gc=False):
     events: tuple[KvEvent, ...]
 
 
-class DecodedTrtllm(msgspec.Struct, frozen=True, gc=False):
+class DecodedTrtllm(FrozenStruct, frozen=True, gc=False):
     """A decoded TRT-LLM body: records in wire order, `raw_events` records on the wire."""
 
     records: tuple[TrtllmRecord, ...]

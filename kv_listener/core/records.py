@@ -24,9 +24,8 @@ import json
 import math
 from typing import Any
 
-import msgspec
-
 from kv_listener.core.model import Tier
+from kv_listener.core.structs import FrozenStruct
 
 _SEPARATORS = (",", ":")
 #: JSON numbers at or above this are not exact integers (IEEE doubles).
@@ -55,7 +54,7 @@ _PREFIX_EVENTS = {e.value: e for e in RecordEvent}
 _CONTROL_EVENTS = {e.value: e for e in ControlEvent}
 
 
-class Record(msgspec.Struct, frozen=True, gc=False):
+class Record(FrozenStruct, frozen=True, gc=False):
     """One prefix record of a backend's stream. `id` is None for the unnumbered records of a
     resync (and for records an embedding router builds itself).
 

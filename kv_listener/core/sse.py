@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-import msgspec
-
 from kv_listener.core.model import Tier
 from kv_listener.core.records import (
     ControlEvent,
@@ -30,6 +28,7 @@ from kv_listener.core.records import (
     encode_data,
     record_data,
 )
+from kv_listener.core.structs import FrozenStruct
 
 # ControlEvent and record_data are re-exported: SSE users name them from here too.
 __all__ = [
@@ -125,7 +124,7 @@ class SseError(ValueError):
     """The peer broke a cap (line or data too long): the consumer closes the stream and resumes."""
 
 
-class SseEvent(msgspec.Struct, frozen=True, gc=False):
+class SseEvent(FrozenStruct, frozen=True, gc=False):
     """One dispatched event. `id` is this event's own `id:` field (None when it had none);
     `last_event_id` is the WHATWG "last event ID" after it (ids persist across events), which is
     what a consumer sends as `Last-Event-ID` when it reconnects."""
