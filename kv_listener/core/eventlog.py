@@ -22,12 +22,11 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Iterable
-from typing import Final
-
-import msgspec
+from typing import Any, Final
 
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.records import Record, RecordEvent, upsert_event
+from kv_listener.core.structs import FrozenStruct, UntrackedStruct
 
 # Record and RecordEvent are re-exported: the log's callers name them from here too.
 __all__ = ["EventLog", "Record", "RecordEvent", "Replay", "ResyncReason", "parse_event_id"]
@@ -43,7 +42,7 @@ class ResyncReason(enum.StrEnum):
     AHEAD = "ahead"  # newer than anything this log produced
 
 
-class Replay(msgspec.Struct, frozen=True, gc=False):
+class Replay(FrozenStruct, frozen=True, gc=False):
     """Answer to `EventLog.since()`: the records to send before live ones.
 
     `resync` is None for a plain replay (possibly empty: the consumer is up to date), else why a
@@ -54,7 +53,21 @@ class Replay(msgspec.Struct, frozen=True, gc=False):
     resync: ResyncReason | None
 
 
-class _Pending(msgspec.Struct, gc=False):
+class _Live(UntrackedStruct, gc=False):
+    """A live prefix as its last record described it (what a resync's snapshot shows), and
+    that record's ts, which coalescing measures the update interval from. Updated in place.
+
+    One per live prefix, so small: 40 bytes, untracked by the cyclic GC, its int and float
+    the very objects its record holds (`EventLog.record` boxes each once). A tuple of the
+    three with its own int and float took 120 (tests/test_eventlog.py measures the whole
+    entry)."""
+
+    count: int
+    tier: Tier
+    ts: float
+
+
+class _Pending(UntrackedStruct, gc=False):
     token_count: int
     tier: Tier
     due: float
@@ -88,9 +101,8 @@ class EventLog:
         self.update_interval_s = update_interval_s
         self._seq = 0
         self._history: deque[Record] = deque(maxlen=history_size)
-        # prefix -> (token_count, tier, ts of its last record): the state as emitted. The ts is
-        # also what coalescing measures the update interval from.
-        self._live: dict[str, tuple[int, Tier, float]] = {}
+        # prefix -> its state as emitted
+        self._live: dict[str, _Live] = {}
         self._pending: dict[str, _Pending] = {}
         # (due, tiebreak, prefix) with lazy deletion: an entry is valid while `_pending` still
         # holds that prefix with that due time.
@@ -118,7 +130,7 @@ class EventLog:
 
     def live(self) -> dict[str, tuple[int, Tier]]:
         """Copy of the live state as the emitted records describe it: prefix -> (count, tier)."""
-        return {p: (count, tier) for p, (count, tier, _ts) in self._live.items()}
+        return {p: (lv.count, lv.tier) for p, lv in self._live.items()}
 
     @property
     def live_count(self) -> int:
@@ -176,6 +188,11 @@ class EventLog:
                     t.token_count >= 0 and t.tier is not None)):
                 _validate(t)
         out = self.flush(now) if self._due_heap else []
+        # Boxed once (compiled, a float or int local is a machine value, boxed anew for each
+        # call that takes an object): the records of this call and their live entries share
+        # one ts object, and a record and its live entry the transition's token-count object.
+        stamp: Any = now
+        count: Any
         # CREATED and EVICTED, the bulk of a busy engine's records, inline (what _upsert and
         # _evict do); the rest through the methods
         live, pending = self._live, self._pending
@@ -188,19 +205,16 @@ class EventLog:
                 prefix, count, tier = t.prefix_hash, t.token_count, t.tier or _GPU_HOT
                 if pending:
                     pending.pop(prefix, None)  # type: ignore[arg-type]
-                # one lookup when the prefix is new (the common case), two when it is known;
-                # whether it was is told by the size (compiled, a tuple is a C struct that is
-                # boxed anew for each use: `old is new` would never hold)
-                n = len(live)
-                new = (count, tier, now)
+                # one lookup whether the prefix is new (the common case) or known
+                new = _Live(count, tier, stamp)
                 old = live.setdefault(prefix, new)  # type: ignore[arg-type]
-                if len(live) == n:
-                    if old[0] == count and old[1] is tier:
+                if old is not new:
+                    if old.count == count and old.tier is tier:
                         continue
-                    live[prefix] = new  # type: ignore[index]
+                    old.count, old.tier, old.ts = count, tier, stamp
                 self._seq = seq = self._seq + 1
                 event = _CACHE_CREATED if tier is _GPU_HOT else _CACHE_OFFLOADED  # upsert_event
-                rec = Record(f"{head}{seq}", event, backend, prefix, count, tier, now)
+                rec = Record(f"{head}{seq}", event, backend, prefix, count, tier, stamp)
                 remember(rec)
                 out.append(rec)
                 continue
@@ -211,7 +225,7 @@ class EventLog:
                 if live.pop(prefix, None) is None:  # type: ignore[arg-type]
                     continue  # consumers never heard of it: nothing to take back
                 self._seq = seq = self._seq + 1
-                rec = Record(f"{head}{seq}", _CACHE_EVICTED, backend, prefix, None, None, now)
+                rec = Record(f"{head}{seq}", _CACHE_EVICTED, backend, prefix, None, None, stamp)
                 remember(rec)
                 out.append(rec)
                 continue
@@ -251,14 +265,14 @@ class EventLog:
         self, prefix: str, t: PrefixTransition, now: float, out: list[Record]
     ) -> None:
         live = self._live.get(prefix)
-        if live is None or (t.tier is not None and t.tier is not live[1]):
+        if live is None or (t.tier is not None and t.tier is not live.tier):
             # Not what a token-count update means (unknown prefix, or another tier): it changes
             # presence or tier, which must not wait.
             self._upsert(prefix, t.token_count, t.tier or Tier.GPU_HOT, now, out)
             return
-        tier = live[1]
+        tier = live.tier
         pending = self._pending.get(prefix)
-        if t.token_count == live[0]:
+        if t.token_count == live.count:
             # Back to what consumers already have: nothing to send.
             if pending is not None:
                 del self._pending[prefix]
@@ -266,7 +280,7 @@ class EventLog:
         if pending is not None:
             pending.token_count = t.token_count  # latest value wins, due time unchanged
             return
-        due = live[2] + self.update_interval_s
+        due = live.ts + self.update_interval_s
         if due <= now:
             self._emit_upsert(prefix, t.token_count, tier, now, out)
             return
@@ -279,15 +293,20 @@ class EventLog:
         # The new record carries the current state, so an older pending update is superseded.
         self._pending.pop(prefix, None)
         live = self._live.get(prefix)
-        if live is not None and live[0] == token_count and live[1] is tier:
+        if live is not None and live.count == token_count and live.tier is tier:
             return
         self._emit_upsert(prefix, token_count, tier, now, out)
 
     def _emit_upsert(
         self, prefix: str, token_count: int, tier: Tier, now: float, out: list[Record]
     ) -> None:
-        self._live[prefix] = (token_count, tier, now)
-        out.append(self._append(upsert_event(tier), prefix, token_count, tier, now))
+        rec = self._append(upsert_event(tier), prefix, token_count, tier, now)
+        live = self._live.get(prefix)
+        if live is None:
+            self._live[prefix] = _Live(rec.token_count, tier, rec.ts)  # type: ignore[arg-type]
+        else:  # the record's own int and float, as `record` shares them
+            live.count, live.tier, live.ts = rec.token_count, tier, rec.ts  # type: ignore[assignment]
+        out.append(rec)
 
     def _evict(self, prefix: str, now: float, out: list[Record]) -> None:
         self._pending.pop(prefix, None)
@@ -316,8 +335,8 @@ class EventLog:
             now = self._history[-1].ts if self._history else 0.0
         records = [Record(None, RecordEvent.CACHE_CLEARED, self.backend, None, None, None, now)]
         records.extend(
-            Record(None, upsert_event(tier), self.backend, prefix, count, tier, ts)
-            for prefix, (count, tier, ts) in self._live.items()
+            Record(None, upsert_event(lv.tier), self.backend, prefix, lv.count, lv.tier, lv.ts)
+            for prefix, lv in self._live.items()
         )
         last = records[-1]
         records[-1] = Record(self.last_id, last.event, last.backend, last.prefix_hash,
