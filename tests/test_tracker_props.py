@@ -316,7 +316,41 @@ _LENGTHS = st.one_of(st.sampled_from([16, 32, 48, 64, 80, 7, (1 << 32) - 1, 1 <<
 def test_key_aggregate_counts_match_a_multiset(ops: list[tuple[bool, int, bool, int]]) -> None:
     """`KeyAggregate` against a `Counter` of the (length, gpu) of its blocks: blocks, gpu and
     the longest chain after every add and every removal of a block it holds, whichever form its
-    counts are in (none, packed u64s, dict)."""
+    counts are in (none, a run, packed u64s, dict)."""
+    _check_against_a_multiset(ops)
+
+
+# A chain's blocks as (add, jump, gpu, pick): an add of jump 0 is the chain's next block, -1 a
+# length it has or had, 1 or 2 a step ahead (then a repeat, or a gap), 40 one off the grid; a
+# removal picks its root (0), its tail (-1) or a middle block (1, 7) of the lengths held.
+_CHAIN_OPS = st.lists(st.tuples(st.booleans(), st.sampled_from([0, 0, 0, 1, 2, -1, 40]),
+                                st.booleans(), st.sampled_from([0, -1, 0, -1, 1, 7])),
+                      max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([16, 4, (1 << 31) + 16]), st.integers(1, 3), _CHAIN_OPS)
+def test_key_aggregate_runs_match_a_multiset(
+    step: int, base_steps: int, ops: list[tuple[bool, int, bool, int]],
+) -> None:
+    """The run form (one block per length, base .. max_len) against a `Counter` as chains
+    grow, lose their root or tail (or a middle block), meet a repeat or an off-grid length."""
+    grown = base_steps
+    translated: list[tuple[bool, int, bool, int]] = []
+    for add, jump, gpu, pick in ops:
+        if add:
+            if jump == 0:
+                grown += 1
+                length = grown * step
+            else:
+                length = max(1, (grown + jump) * step + (jump == 40))
+            translated.append((True, length, gpu, 0))
+        else:
+            translated.append((False, 0, gpu, pick))
+    _check_against_a_multiset(translated)
+
+
+def _check_against_a_multiset(ops: list[tuple[bool, int, bool, int]]) -> None:
     from collections import Counter  # noqa: PLC0415
 
     from kv_listener.core.record_state import KeyAggregate  # noqa: PLC0415
@@ -346,6 +380,11 @@ def _counts_of(k: object) -> dict[int, int]:
     """A `KeyAggregate`'s blocks per chain length, whichever form it holds them in."""
     lengths = getattr(k, "lengths")  # noqa: B009 (typed loosely: a compiled class)
     if lengths is None:
+        step = k.step  # type: ignore[attr-defined]
+        if step:  # a run: one block per length, base .. max_len
+            assert k.blocks >= 2  # type: ignore[attr-defined]
+            assert k.base + (k.blocks - 1) * step == k.max_len  # type: ignore[attr-defined]
+            return {k.base + i * step: 1 for i in range(k.blocks)}  # type: ignore[attr-defined]
         return {k.max_len: k.blocks} if k.blocks else {}  # type: ignore[attr-defined]
     if isinstance(lengths, dict):
         return dict(lengths)

@@ -45,6 +45,10 @@ if TYPE_CHECKING:  # annotations only: compiled, a machine integer; run from sou
 # them; a rebuild walks every record: 0.45 s of CPU at a million blocks here, a stalled loop.)
 _EMPTY: Final = NO_SLOT  # index position that holds no record
 _U64: Final = (1 << 64) - 1
+# The chain length column is u32 (4 bytes a block less than u64): a length of 2^32 - 1 tokens
+# or more, which only absurd block sizes reach, is kept in a dict by slot, the column holding
+# this marker.
+_BIG_LEN: Final = (1 << 32) - 1
 # Index positions: Python's hash of the block hash (h mod 2^61 - 1, computed in C) and h's low 3
 # bits (no more than 2 u64 hashes share both), cut into 13-bit pieces, then
 # Dietzfelbinger's multiply-add-shift with random 44-bit coefficients (universal for up to 2^31
@@ -72,6 +76,7 @@ class BlockTable:
     _hash: array[int]
     _par: array[int]
     _clen: array[int]
+    _big_len: dict[int, int]
     _state: list[State]
     _toff: array[int]
     _tlen: array[int]
@@ -88,6 +93,9 @@ class BlockTable:
         self._max_tokens = limits.max_retained_tokens
         # Offsets into the arena: it holds at most about twice the retained tokens.
         self._offset_code = "I" if limits.max_retained_tokens < (1 << 30) else "Q"
+        # A record keeps at most `max_chain_tokens` of its own tokens (the resolver reads no
+        # further): 2 bytes a block for their count at the default 16,384.
+        self._count_code = "H" if limits.max_chain_tokens < (1 << 16) else "I"
         self._arena_slack = _ARENA_SLACK
         self._media_bits: dict[str, int] = {MEDIUM_GPU: GPU_BIT}
         # A keyed index hash: engines' hashes are not chosen to spread over an index, and a
@@ -108,11 +116,12 @@ class BlockTable:
         self._hash = array("Q")
         self._par = array("Q")  # parent hash (meaningful when _haspar[slot])
         self._haspar = bytearray()
-        self._clen = array("Q")  # chain length in tokens, root..this block
+        self._clen = array("I")  # chain length in tokens, root..this block (see _len_of)
+        self._big_len = {}  # slot -> chain length >= _BIG_LEN
         self._media = bytearray()  # media bits and TAINT
         self._state = []
         self._toff = array(self._offset_code)  # own tokens: arena[toff:toff+tlen]
-        self._tlen = array("I")
+        self._tlen = array(self._count_code)
         self._older = array("I")  # pruning order: least recently stored first
         self._newer = array("I")
         self._oldest = NO_SLOT
@@ -135,7 +144,7 @@ class BlockTable:
         out: dict[int, BlockView] = {}
         r = self._oldest
         while r != NO_SLOT:
-            out[self._hash[r]] = BlockView(self._parent_of(r), self._clen[r], self._media[r],
+            out[self._hash[r]] = BlockView(self._parent_of(r), self._len_of(r), self._media[r],
                                            self._state[r], self._tokens_of(r))
             r = self._newer[r]
         return out
@@ -175,6 +184,11 @@ class BlockTable:
                 return s
             i = (i + 1) & mask
 
+    def _len_of(self, r: int) -> int:
+        """The chain length of record `r`, root..r, in tokens."""
+        n = self._clen[r]
+        return n if n != _BIG_LEN else self._big_len[r]
+
     def _parent_of(self, r: int) -> int | None:
         return self._par[r] if self._haspar[r] else None
 
@@ -187,8 +201,11 @@ class BlockTable:
         tokens: array[int] | None,
     ) -> int:
         """Add the record of `h` (not tracked yet) as the newest; returns its slot."""
-        if chain_len > _U64:  # noqa: PLR1730 (no call to min on the hot path)
-            chain_len = _U64  # absurd tokenless block sizes only
+        column_len = chain_len
+        if chain_len >= _BIG_LEN:  # absurd block sizes only
+            if chain_len > _U64:  # noqa: PLR1730 (as it was with a u64 column)
+                chain_len = _U64
+            column_len = _BIG_LEN
         free = self._free
         if free:
             r = free.pop()
@@ -198,20 +215,22 @@ class BlockTable:
             else:
                 self._par[r] = parent
                 self._haspar[r] = 1
-            self._clen[r] = chain_len
+            self._clen[r] = column_len
             self._media[r] = media
         else:
             r = len(self._hash)
             self._hash.append(h)
             self._par.append(0 if parent is None else parent)
             self._haspar.append(parent is not None)
-            self._clen.append(chain_len)
+            self._clen.append(column_len)
             self._media.append(media)
             self._state.append(None)
             self._toff.append(0)
             self._tlen.append(0)
             self._older.append(NO_SLOT)
             self._newer.append(NO_SLOT)
+        if column_len == _BIG_LEN:
+            self._big_len[r] = chain_len
         if tokens:
             arena = self._arena
             self._toff[r] = len(arena)
@@ -244,9 +263,10 @@ class BlockTable:
             if state not in touched:
                 touched[state] = (state.blocks > 0, state.max_len, state.gpu > 0)
             self._state[r] = state
-            if state.lengths is None and (not state.blocks or state.max_len == chain_len):
-                # KeyAggregate.add's common case (its first block, or one more of the same
-                # length), inline
+            if state.lengths is None and (not state.blocks
+                                          or chain_len == state.max_len + state.step):
+                # KeyAggregate.add's common cases, inline: its first block, one more of the same
+                # length (step 0), or the next block of its run
                 state.blocks += 1
                 state.max_len = chain_len
                 if media & GPU_BIT:
@@ -359,14 +379,14 @@ class BlockTable:
             touched = self._touched
             if st not in touched:
                 touched[st] = (st.blocks > 0, st.max_len, st.gpu > 0)
-            if st.lengths is None:  # KeyAggregate.remove's case of one length, inline
+            if st.lengths is None and not st.step:  # KeyAggregate.remove's case of one length
                 st.blocks -= 1
                 if self._media[r] & GPU_BIT:
                     st.gpu -= 1
                 if not st.blocks:
                     st.max_len = 0
             else:
-                st.remove(self._clen[r], bool(self._media[r] & GPU_BIT))
+                st.remove(self._len_of(r), bool(self._media[r] & GPU_BIT))
         elif type(st) is Chain:
             self._chain_lost_block(st, r)
         # unlink from the pruning order, give the slot back
@@ -379,6 +399,8 @@ class BlockTable:
             self._newest = older
         else:
             self._older[newer] = older
+        if self._big_len and self._clen[r] == _BIG_LEN:
+            del self._big_len[r]
         self._state[r] = None
         self._free.append(r)
         self._live -= 1
@@ -426,7 +448,7 @@ class BlockTable:
         if k not in self._touched:
             self._touch_key(k)
         self._state[r] = k
-        k.add(self._clen[r], bool(self._media[r] & GPU_BIT))
+        k.add(self._len_of(r), bool(self._media[r] & GPU_BIT))
         if self._tlen[r]:
             self._drop_tokens(r)
 

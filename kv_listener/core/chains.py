@@ -123,7 +123,7 @@ class ChainResolution(BlockTable):
             if head == NO_SLOT:
                 continue
             head_hash = self._hash[head]
-            limited = min(self._clen[head], self._max_chain)
+            limited = min(self._len_of(head), self._max_chain)
             if ch.probe_q is not None and ch.probe_q > limited:  # its branch lost blocks since
                 ch.probe_q = None
                 ch.base = None
@@ -237,7 +237,7 @@ class ChainResolution(BlockTable):
     def _head_len(self, ch: Chain) -> int | None:
         """Chain length of `ch`'s head record, or None when it has none."""
         head = self._find(ch.head) if ch.head is not None else NO_SLOT
-        return None if head == NO_SLOT else self._clen[head]
+        return None if head == NO_SLOT else self._len_of(head)
 
     def _on_growth(self, ch: Chain) -> None:
         """A block joined the head of pending `ch`."""
@@ -292,14 +292,14 @@ class ChainResolution(BlockTable):
     def _collect(self, r: int, n: int) -> array[int] | None:
         """The first `n` tokens of the chain root..r, or None when some are gone."""
         max_chain = self._max_chain
-        clen, tlen, state = self._clen, self._tlen, self._state
+        tlen, state = self._tlen, self._state
         segs: list[array[int]] = []
         cur = r
         while True:
             st = state[cur]
             if type(st) is not Chain:
                 return None
-            cur_len = clen[cur]
+            cur_len = self._len_of(cur)
             if st.status == RESOLVED:
                 ref = st.tokens
                 if ref is None or len(ref) < min(cur_len, max_chain):
@@ -314,7 +314,7 @@ class ChainResolution(BlockTable):
                 parent = self._find(self._par[cur])
                 if parent == NO_SLOT:
                     return None
-                parent_len = clen[parent]
+                parent_len = self._len_of(parent)
             if tlen[cur] != min(cur_len, max_chain) - min(parent_len, max_chain):
                 return None
             if tlen[cur]:
@@ -365,7 +365,7 @@ class ChainResolution(BlockTable):
             self._ask_alone(w)
             return None
         fork, toks = got
-        c0 = self._clen[fork]
+        c0 = self._len_of(fork)
         d = base.d
         span = min(d, len(ref)) - c0
         if span <= 0:
@@ -388,7 +388,6 @@ class ChainResolution(BlockTable):
     def _resolve_chain(self, chain: Chain, key: bytes, d: int) -> None:
         """Settle `chain` as resolved at d, and through it the branches that waited for it."""
         k = self._intern(key.hex())
-        clen = self._clen
         work = [(chain, d)]
         while work:
             ch, d = work.pop()
@@ -396,8 +395,8 @@ class ChainResolution(BlockTable):
                 continue
             recs = self._chain_blocks(ch)
             tokens = None
-            if recs and clen[recs[-1]] < d:  # some blocks stay pre-anchor: keep root..d
-                tokens = self._collect(recs[0], min(d, clen[recs[0]], self._max_chain))
+            if recs and self._len_of(recs[-1]) < d:  # some blocks stay pre-anchor: keep root..d
+                tokens = self._collect(recs[0], min(d, self._len_of(recs[0]), self._max_chain))
                 if tokens is not None:
                     tokens = array("I", tokens)  # exact size
                     self._tokens += len(tokens)
@@ -409,7 +408,7 @@ class ChainResolution(BlockTable):
             ch.tokens = tokens
             anchor = NO_SLOT
             for r in recs:
-                if clen[r] >= d:
+                if self._len_of(r) >= d:
                     self._attribute(r, k)
                     ch.nblocks -= 1
                     anchor = r
@@ -442,11 +441,11 @@ class ChainResolution(BlockTable):
         if ch.tokens is not None and len(ch.tokens) > d:
             self._tokens -= len(ch.tokens) - d
             ch.tokens = ch.tokens[:d]
-        state, clen = self._state, self._clen
+        state = self._state
         anchor = self._find(ch.anchor) if ch.anchor is not None else NO_SLOT
         if anchor != NO_SLOT:
             cur = self._find(self._par[anchor]) if self._haspar[anchor] else NO_SLOT
-            while cur != NO_SLOT and state[cur] is ch and clen[cur] >= d:
+            while cur != NO_SLOT and state[cur] is ch and self._len_of(cur) >= d:
                 parent = self._parent_of(cur)
                 self._attribute(cur, k)
                 ch.nblocks -= 1

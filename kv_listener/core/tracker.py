@@ -323,7 +323,7 @@ class Tracker(ChainResolution):
         media = bit | (TAINT if mismatch else 0)
         model = ev.lora_name or self._model
         max_chain = self._max_chain
-        clen, media_, state_, hash_ = self._clen, self._media, self._state, self._hash
+        media_, state_, hash_ = self._media, self._state, self._hash
         offset = 0
         seglen = bs
         # chains this event started or extended -> what to do once all its blocks are in
@@ -343,7 +343,7 @@ class Tracker(ChainResolution):
                 continue
             if prev != NO_SLOT and type(pst := state_[prev]) is KeyAggregate and not media_[prev] & TAINT:
                 # the common case: the chain goes on under an attributed block
-                prev = self._new_block(h, hash_[prev], clen[prev] + seglen, media, pst, None)
+                prev = self._new_block(h, hash_[prev], self._len_of(prev) + seglen, media, pst, None)
                 offset += seglen
                 continue
             if prev == NO_SLOT:  # _place's first case, without the call
@@ -353,7 +353,7 @@ class Tracker(ChainResolution):
                 else:
                     state, reason, step = None, UnattributedReason.ORPHAN, None
             else:
-                parent_len = clen[prev]
+                parent_len = self._len_of(prev)
                 state, reason, step = self._place(ev, prev, i, model, mismatch)
             if type(state) is Chain:
                 keep = min(seglen, max(0, max_chain - parent_len))
@@ -417,7 +417,7 @@ class Tracker(ChainResolution):
             fork.waiting = st.busy()
             return fork, None, _STEP_NEW
         if st.status == RESOLVED and st.key is not None:
-            if self._clen[prev] >= st.d:  # tightened below it after it was stored
+            if self._len_of(prev) >= st.d:  # tightened below it after it was stored
                 k = self._intern(st.key.hex())
                 self._attribute(prev, k)
                 self._chain_lost_block(st, prev)
@@ -484,7 +484,7 @@ class Tracker(ChainResolution):
             # No tokens: only an attributed chain can continue (by block_size, §4).
             st = self._state[prev]
             state: State = st if type(st) is KeyAggregate and not self._media[prev] & TAINT else None
-            prev = self._new_block(h, self._hash[prev], self._clen[prev] + ev.block_size, bit,
+            prev = self._new_block(h, self._hash[prev], self._len_of(prev) + ev.block_size, bit,
                                    state, None)
 
     def _on_removed(self, ev: BlockRemoved) -> None:
