@@ -110,8 +110,8 @@ async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
                     publisher: dict[str, Any] | None = None,
                     **overrides: Any) -> AsyncIterator[Connected]:
     """A publisher bound on a free port (with a replay endpoint if `replay`), a vLLM source
-    connected to it, ready and subscribed; the source is stopped (and not ready) when the block
-    ends."""
+    connected to it, ready, subscribed and (with `replay`) past its start-up replay (answered
+    empty); the source is stopped (and not ready) when the block ends."""
     opts: dict[str, Any] = {"replay_endpoint": "tcp://127.0.0.1:0"} if replay else {}
     async with SimPublisher("tcp://127.0.0.1:0", mode="bind", **opts, **(publisher or {})) as pub:
         if replay:
@@ -123,6 +123,10 @@ async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
         async with running(source):
             assert stats.ready
             await pub.wait_for_subscriber()
+            if replay:
+                # The start-up replay answered (empty) before a test publishes: answered later,
+                # it would carry the test's batches, or miss the ones of a restarted publisher.
+                await pub.wait_for_replay_requests(1)
             yield Connected(pub, queue, stats, source)
 
 
