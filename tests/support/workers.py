@@ -2,8 +2,11 @@
 
 Work units, decided from the node ids alone on the controller:
 
-- every test under tests/engines/ is one unit: a real vLLM on CPU and SGLang's publisher run one
-  after another on one worker, never two engines at once on the two cores;
+- every test under tests/engines/ but SGLang's module is one unit: the real vLLM CPU engines
+  run on one worker, never two engine boots at once on the two cores;
+- tests/engines/test_sglang_real.py is one unit of its own: SGLang's real publisher and radix
+  tree in one light driver process (no model, no engine boot) under a module-scoped fixture; kept
+  beside the vLLM unit it made that worker the suite's long pole (about 70 s of its 170 s);
 - each module of `WHOLE_MODULES` is one unit: its tests share one expensive module-scoped set-up
   and run in order on it, so the set-up is made once and the order kept (tests/reliability/: one
   pipeline per module, each test ends converged for the next one; the modules on a local Redis
@@ -24,6 +27,7 @@ from __future__ import annotations
 from xdist.scheduler import LoadScopeScheduling
 
 ENGINES = "tests/engines/"
+SGLANG = "tests/engines/test_sglang_real.py"
 WHOLE_MODULES = (
     "tests/reliability/", "tests/test_deploy_monitoring.py",
     # redis_cluster_fixture()
@@ -34,9 +38,11 @@ WHOLE_MODULES = (
 
 def work_unit(nodeid: str) -> str:
     """The unit a test belongs to: the engines, its whole module, or the test alone."""
+    module = nodeid.split("::", 1)[0]
+    if module == SGLANG:
+        return module
     if nodeid.startswith(ENGINES):
         return ENGINES
-    module = nodeid.split("::", 1)[0]
     if module.startswith(WHOLE_MODULES):
         return module
     return nodeid
