@@ -42,6 +42,11 @@ _update: Final[Any] = _STATE_TYPE.update
 _digest: Final[Any] = _STATE_TYPE.digest
 _hexdigest: Final[Any] = _STATE_TYPE.hexdigest
 _compare_digest: Final = hmac.compare_digest
+# The same for the str and bytes methods a salt's form check calls (compiled, `s.isascii()` is a
+# call by name: a method lookup on every call, about 150 instructions each).
+_isascii: Final[Any] = str.isascii
+_fromhex: Final[Any] = bytes.fromhex
+_hex: Final[Any] = bytes.hex
 
 # Final: compiled (setup.py), constants are C statics, not a module dict lookup per read
 SALT_PREFIX: Final = "crs1:"
@@ -102,7 +107,7 @@ class SaltVerifier:
         k = (sha256(secret).digest() if len(secret) > _BLOCK else secret).ljust(_BLOCK, b"\x00")
         self._inner: Any = _state(k.translate(_IPAD) + head)
         self._outer: Any = _state(k.translate(_OPAD))
-        self._cache: dict[str, str | None] = {}  # salt -> its key's hex
+        self._cache: dict[str, str] = {}  # salt -> its key's hex, "" for an invalid salt
         self._cache_size = cache_size
 
     def __call__(self, salt: object) -> bytes | None:
@@ -120,13 +125,14 @@ class SaltVerifier:
         if not isinstance(salt, str):
             return None
         cache = self._cache
-        if salt in cache:
-            return cache[salt]
+        known = cache.get(salt)  # one lookup: a salt is hashed once, its str keeps the hash
+        if known is not None:
+            return known or None
         key_hex = self._verify(salt)
         if self._cache_size:
             if len(cache) >= self._cache_size:
                 cache.clear()
-            cache[salt] = key_hex
+            cache[salt] = key_hex or ""
         return key_hex
 
     def _verify(self, salt: str) -> str | None:
@@ -134,15 +140,15 @@ class SaltVerifier:
         # other text), the exact length, prefix and separator; a key part of 64 hex digits that
         # are all lowercase (fromhex also takes uppercase and skips whitespace: its bytes must
         # give the same text back); a MAC part equal to the lowercase hex of the MAC.
-        if (len(salt) != SALT_LENGTH or not salt.isascii() or not salt.startswith(SALT_PREFIX)
+        if (len(salt) != SALT_LENGTH or not _isascii(salt) or not salt.startswith(SALT_PREFIX)
                 or salt[_KEY_END] != ":"):
             return None
         key_hex = salt[len(SALT_PREFIX):_KEY_END]
         try:
-            key = bytes.fromhex(key_hex)
+            key: bytes = _fromhex(key_hex)
         except ValueError:
             return None
-        if key.hex() != key_hex:
+        if _hex(key) != key_hex:
             return None
         inner = _copy(self._inner)
         _update(inner, key)
