@@ -1,13 +1,13 @@
 """The block records of one source's tracker and their bounds (part of `core.tracker`).
 
 Records are not objects: a record is a slot number, its fields live in typed columns (`array`,
-`bytearray`, and a list for the state), found by hash through an open-addressing index of slot
-numbers (positions from a keyed hash, so that a hostile engine cannot make its hashes collide),
-and the tokens of the records that keep some lie in one token arena (4 bytes per token),
-compacted when half of it is dropped tokens. About 60 bytes per block instead of the ~230 that a
-record object, its dict entry and its int objects cost, and nothing per block for the cyclic GC
-to walk (it paused the loop 40-80 ms at 100k records). `bench/tracker.py` prints the
-figures.
+`librt.vecs` vectors for the slot numbers, `bytearray`, and a list for the state), found by hash
+through an open-addressing index of slot numbers (positions from a keyed hash, so that a hostile
+engine cannot make its hashes collide), and the tokens of the records that keep some lie in one
+token arena (4 bytes per token), compacted when half of it is dropped tokens. About 60 bytes per
+block instead of the ~230 that a record object, its dict entry and its int objects cost, and
+nothing per block for the cyclic GC to walk (it paused the loop 40-80 ms at 100k records).
+`bench/tracker.py` prints the figures.
 
 Bounds: when `max_tracked_blocks` or `max_retained_tokens` is exceeded, the least recently stored
 records go first (a record is refreshed when stored again or when a child is stored under it, so
@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import random
 from array import array
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
+
+from librt.vecs import vec
+from mypy_extensions import i32
 
 from kv_listener.core.limits import Limits
 from kv_listener.core.model import MEDIUM_GPU, PrefixTransition, Tier, TransitionKind
@@ -59,6 +62,11 @@ _PIECE: Final = (1 << 13) - 1
 _MIX_BITS: Final = 44
 _MIX_MASK: Final = (1 << 44) - 1
 _MIN_INDEX: Final = 64
+# `array`'s append and pop, looked up once: compiled, `a.append(x)` on an `array` (a class mypyc
+# does not know) is a call by name, a method lookup each time; a method descriptor held as a C
+# static is called directly (a store and a removal take one or ten such calls).
+_append: Final[Any] = array.append
+_pop: Final[Any] = array.pop
 #: Compact the token arena once this many dropped tokens lie in it and they are at least half.
 _ARENA_SLACK: Final = 1 << 16
 # Module constants: `Tier.GPU_HOT` is a class attribute lookup through EnumType (~0.1 us on
@@ -67,6 +75,21 @@ _GPU_HOT: Final = Tier.GPU_HOT
 _STORAGE_WARM: Final = Tier.STORAGE_WARM
 _CREATED: Final = TransitionKind.CREATED
 _EVICTED: Final = TransitionKind.EVICTED
+
+
+def _slot_column(n: int) -> vec[i32]:
+    """A column of `n` slot numbers, all NO_SLOT, of exactly that capacity."""
+    return vec[i32]([NO_SLOT] * n)  # compiled: filled in C, no list is built
+
+
+def _grown(col: vec[i32], n: int) -> vec[i32]:
+    """`col` (its `n` slots) with room for an eighth more, the new entries NO_SLOT. Grown by this
+    copy, not by `librt.vecs.append`, which doubles a full vector's capacity (up to 4 bytes a
+    slot unused per column; `array` grows by an eighth, as here)."""
+    new = _slot_column(n + n // 8 + 64)
+    for i in range(n):  # compiled: a C loop, about 2 ms per million slots
+        new[i] = col[i]
+    return new
 
 
 class BlockTable:
@@ -80,10 +103,10 @@ class BlockTable:
     _state: list[State]
     _toff: array[int]
     _tlen: array[int]
-    _older: array[int]
-    _newer: array[int]
+    _older: vec[i32]
+    _newer: vec[i32]
     _free: array[int]
-    _idx: array[int]
+    _idx: vec[i32]
     _arena: array[int]
     _keys: dict[str, KeyAggregate]  # by prefix_hash (the key's hex: the key's only copy)
     _touched: dict[KeyAggregate, tuple[bool, int, bool]]
@@ -122,14 +145,14 @@ class BlockTable:
         self._state = []
         self._toff = array(self._offset_code)  # own tokens: arena[toff:toff+tlen]
         self._tlen = array(self._count_code)
-        self._older = array("I")  # pruning order: least recently stored first
-        self._newer = array("I")
+        self._older = _slot_column(0)  # pruning order: least recently stored first
+        self._newer = _slot_column(0)
         self._oldest = NO_SLOT
         self._newest = NO_SLOT
         self._free = array("I")  # slots of removed records, reused first
         self._live = 0
         # index: hash -> slot, open addressing with linear probing
-        self._idx = array("I", [_EMPTY]) * _MIN_INDEX
+        self._idx = _slot_column(_MIN_INDEX)
         self._mask = _MIN_INDEX - 1
         self._shift = _MIX_BITS - (_MIN_INDEX.bit_length() - 1)
         # tokens of the records that keep some; `_garbage` of them belong to no record any more
@@ -208,7 +231,7 @@ class BlockTable:
             column_len = _BIG_LEN
         free = self._free
         if free:
-            r = free.pop()
+            r: int = _pop(free)
             self._hash[r] = h
             if parent is None:
                 self._haspar[r] = 0
@@ -219,16 +242,17 @@ class BlockTable:
             self._media[r] = media
         else:
             r = len(self._hash)
-            self._hash.append(h)
-            self._par.append(0 if parent is None else parent)
+            _append(self._hash, h)
+            _append(self._par, 0 if parent is None else parent)
             self._haspar.append(parent is not None)
-            self._clen.append(column_len)
+            _append(self._clen, column_len)
             self._media.append(media)
             self._state.append(None)
-            self._toff.append(0)
-            self._tlen.append(0)
-            self._older.append(NO_SLOT)
-            self._newer.append(NO_SLOT)
+            _append(self._toff, 0)
+            _append(self._tlen, 0)
+            if r >= len(self._older):
+                self._older = _grown(self._older, r)
+                self._newer = _grown(self._newer, r)
         if column_len == _BIG_LEN:
             self._big_len[r] = chain_len
         if tokens:
@@ -287,7 +311,7 @@ class BlockTable:
         size = _MIN_INDEX
         while size < 2 * self._live:
             size <<= 1
-        idx: array[int] = array("I", [_EMPTY]) * size
+        idx = _slot_column(size)
         mask = size - 1
         shift = _MIX_BITS - (size.bit_length() - 1)
         hashes = self._hash
@@ -330,7 +354,8 @@ class BlockTable:
         if r == self._newest:
             return
         older_, newer_ = self._older, self._newer
-        older, newer = older_[r], newer_[r]  # newer is not NO_SLOT: r is not the newest
+        older: int = older_[r]
+        newer: int = newer_[r]  # not NO_SLOT: r is not the newest
         if older == NO_SLOT:
             self._oldest = newer
         else:
@@ -390,7 +415,8 @@ class BlockTable:
         elif type(st) is Chain:
             self._chain_lost_block(st, r)
         # unlink from the pruning order, give the slot back
-        older, newer = self._older[r], self._newer[r]
+        older: int = self._older[r]
+        newer: int = self._newer[r]
         if older == NO_SLOT:
             self._oldest = newer
         else:
@@ -402,7 +428,7 @@ class BlockTable:
         if self._big_len and self._clen[r] == _BIG_LEN:
             del self._big_len[r]
         self._state[r] = None
-        self._free.append(r)
+        _append(self._free, r)
         self._live -= 1
 
     def _chain_lost_block(self, ch: Chain, r: int) -> None:

@@ -39,10 +39,11 @@ LAST_PENDING: Final = 1
 LAST_FAILED: Final = 2
 
 
-#: No record: the largest u32 (slots are 0 .. 2^32 - 2). The slot columns are arrays of typecode
-#: "I": an unsigned item is stored with one C conversion, a signed one ("i") through
-#: `PyArg_Parse` (about 250 instructions more per write, several writes per block).
-NO_SLOT: Final = (1 << 32) - 1
+#: No record (slots are 0 .. 2^31 - 2; `max_tracked_blocks` is at most 2^30). The columns of slot
+#: numbers (`core.blocks`: the index and the pruning order) are `librt.vecs` vectors of i32:
+#: compiled, an item is read or written in C, not through `array`'s generic item access (about
+#: 250 instructions each, several per block).
+NO_SLOT: Final = -1
 
 
 class UnattributedReason(enum.StrEnum):
