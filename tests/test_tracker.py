@@ -594,29 +594,34 @@ def test_tokenless_block_under_a_known_parent_grows_by_block_size() -> None:
 
 
 
-def test_chain_lengths_past_the_u32_column_stay_exact() -> None:
-    """The chain-length column is u32; a length of 2^32 - 1 or more (absurd tokenless block
+EDGE = (1 << 31) - 1  # the chain-length column's largest value: kept beside it from there
+
+
+def test_chain_lengths_past_the_i32_column_stay_exact() -> None:
+    """The chain-length column is i32; a length of 2^31 - 1 or more (absurd tokenless block
     sizes) is kept beside it, exact up to the u64 clamp, and dropped with its record, so that
     the slot's next record has its own length."""
     t = make(Engine.SGLANG, salt_verifier=verifier())
     t.apply(batch(stored([1], [0, 1, 2, 3], cache_salt=SALT)))
-    big = (1 << 32) - 1 - BS  # the first block past the root lands exactly on 2^32 - 1
+    big = EDGE - BS  # the first block past the root lands exactly on the column's marker
     out = t.apply(batch(stored([2, 3], [], 1, bs=big)))
     assert kinds(out) == [("token_count", BS + 2 * big)]
     recs = t.records()
-    assert [recs[h].chain_len for h in (1, 2, 3)] == [BS, (1 << 32) - 1, BS + 2 * big]
+    assert [recs[h].chain_len for h in (1, 2, 3)] == [BS, EDGE, BS + 2 * big]
     out = t.apply(batch(stored([4], [], 3, bs=1 << 63), stored([5], [], 4, bs=1 << 63)))
     assert kinds(out) == [("token_count", U64)]  # clamped, as it always was
     assert t.records()[4].chain_len == BS + 2 * big + (1 << 63)
     assert t.records()[5].chain_len == U64
     out = t.apply(batch(BlockRemoved((5, 4, 3), medium="GPU")))
-    assert kinds(out) == [("token_count", (1 << 32) - 1)]
+    assert kinds(out) == [("token_count", EDGE)]
     t.apply(batch(stored([6, 7], [], 1, bs=BS)))  # slots of removed records, reused
     recs = t.records()
-    assert [recs[h].chain_len for h in (1, 2, 6, 7)] == [BS, (1 << 32) - 1, 2 * BS, 3 * BS]
+    assert [recs[h].chain_len for h in (1, 2, 6, 7)] == [BS, EDGE, 2 * BS, 3 * BS]
     out = t.apply(batch(BlockRemoved((2,), medium="GPU")))
     assert kinds(out) == [("token_count", 3 * BS)]
     assert t._big_len == {}  # nothing kept for records that are gone
+
+
 def test_orphan_blocks_are_unattributed() -> None:
     t = make()
     t.apply(batch(stored([5, 6], [1, 2, 3, 4, 5, 6, 7, 8], 99)))

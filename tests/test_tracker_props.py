@@ -305,8 +305,10 @@ def test_tracker_matches_the_reference(
     assert t.pending == 0
 
 
-# Chain lengths a key's counts meet: block multiples, repeats, and past 2^32 (its dict form).
-_LENGTHS = st.one_of(st.sampled_from([16, 32, 48, 64, 80, 7, (1 << 32) - 1, 1 << 32, (1 << 40) + 16]),
+# Chain lengths a key's counts meet: block multiples, repeats, the tracker's chain-length column
+# edge (2^31 - 1), and past 2^32 (the key's dict form).
+_LENGTHS = st.one_of(st.sampled_from([16, 32, 48, 64, 80, 7, (1 << 31) - 1, 1 << 31, (1 << 32) - 1,
+                                      1 << 32, (1 << 40) + 16]),
                      st.integers(1, 40).map(lambda i: i * 16))
 
 

@@ -1,12 +1,13 @@
 """The block records of one source's tracker and their bounds (part of `core.tracker`).
 
-Records are not objects: a record is a slot number, its fields live in typed columns (`array`,
-`librt.vecs` vectors for the slot numbers, `bytearray`, and a list for the state), found by hash
-through an open-addressing index of slot numbers (positions from a keyed hash, so that a hostile
-engine cannot make its hashes collide), and the tokens of the records that keep some lie in one
-token arena (4 bytes per token), compacted when half of it is dropped tokens. About 60 bytes per
-block instead of the ~230 that a record object, its dict entry and its int objects cost, and
-nothing per block for the cyclic GC to walk (it paused the loop 40-80 ms at 100k records).
+Records are not objects: a record is a slot number, its fields live in typed columns (`librt.vecs`
+vectors for the hash, parent, chain length, media and pruning order, `array` for the token offsets
+and counts, a list for the state), found by hash through an open-addressing index of slot numbers
+(positions from a keyed hash, so that a hostile engine cannot make its hashes collide), and the
+tokens of the records that keep some lie in one token arena (4 bytes per token), compacted when
+half of it is dropped tokens. About 60 bytes per block instead of the ~230 that a record object,
+its dict entry and its int objects cost, and nothing per block for the cyclic GC to walk (it paused
+the loop 40-80 ms at 100k records).
 `bench/tracker.py` prints the figures.
 
 Bounds: when `max_tracked_blocks` or `max_retained_tokens` is exceeded, the least recently stored
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import random
 from array import array
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from librt.vecs import vec
-from mypy_extensions import i32
+from mypy_extensions import i32, i64, u8
 
 from kv_listener.core.limits import Limits
 from kv_listener.core.model import MEDIUM_GPU, PrefixTransition, Tier, TransitionKind
@@ -38,9 +39,6 @@ from kv_listener.core.record_state import (
     State,
 )
 
-if TYPE_CHECKING:  # annotations only: compiled, a machine integer; run from source, an int
-    from mypy_extensions import i64
-
 # The index is open addressing with linear probing and no tombstones: a removal moves the
 # records after it in their run back into the gap (Knuth's algorithm R, TAOCP 6.4), so a lookup
 # stops at the first empty position and the index is rebuilt only to grow. (With tombstones a
@@ -48,17 +46,20 @@ if TYPE_CHECKING:  # annotations only: compiled, a machine integer; run from sou
 # them; a rebuild walks every record: 0.45 s of CPU at a million blocks here, a stalled loop.)
 _EMPTY: Final = NO_SLOT  # index position that holds no record
 _U64: Final = (1 << 64) - 1
-# The chain length column is u32 (4 bytes a block less than u64): a length of 2^32 - 1 tokens
+# The hash columns are i64 vectors: a u64 hash is kept as the i64 of the same bits.
+_I64_MAX: Final = (1 << 63) - 1
+_TWO64: Final = 1 << 64
+# The chain length column is i32 (4 bytes a block less than i64): a length of 2^31 - 1 tokens
 # or more, which only absurd block sizes reach, is kept in a dict by slot, the column holding
 # this marker.
-_BIG_LEN: Final = (1 << 32) - 1
-# Index positions: Python's hash of the block hash (h mod 2^61 - 1, computed in C) and h's low 3
-# bits (no more than 2 u64 hashes share both), cut into 13-bit pieces, then
+_BIG_LEN: Final = (1 << 31) - 1
+# Index positions: the block hash's 64 bits cut into four 13-bit pieces and a 12-bit one, then
 # Dietzfelbinger's multiply-add-shift with random 44-bit coefficients (universal for up to 2^31
 # positions). Compiled, that is machine arithmetic (`i64`: every product and sum stays under 2^60);
 # the classic form, a 64-bit multiply by a random odd number, is arbitrary-precision arithmetic
 # here and cost 2-3k instructions per probe.
 _PIECE: Final = (1 << 13) - 1
+_TOP: Final = (1 << 12) - 1
 _MIX_BITS: Final = 44
 _MIX_MASK: Final = (1 << 44) - 1
 _MIN_INDEX: Final = 64
@@ -82,23 +83,26 @@ def _slot_column(n: int) -> vec[i32]:
     return vec[i32]([NO_SLOT] * n)  # compiled: filled in C, no list is built
 
 
-def _grown(col: vec[i32], n: int) -> vec[i32]:
-    """`col` (its `n` slots) with room for an eighth more, the new entries NO_SLOT. Grown by this
-    copy, not by `librt.vecs.append`, which doubles a full vector's capacity (up to 4 bytes a
-    slot unused per column; `array` grows by an eighth, as here)."""
-    new = _slot_column(n + n // 8 + 64)
-    for i in range(n):  # compiled: a C loop, about 2 ms per million slots
-        new[i] = col[i]
-    return new
+def _signed(h: int) -> i64:
+    """A u64 hash as the i64 of the same bits (what the hash columns hold)."""
+    return h - _TWO64 if h > _I64_MAX else h  # (int arithmetic, then one checked conversion)
+
+
+def _unsigned(x: i64) -> int:
+    """The u64 hash of a hash column's i64."""
+    n: int = x  # an arbitrary-precision int: the sum is not i64 arithmetic
+    return n + _TWO64 if n < 0 else n
 
 
 class BlockTable:
     """Block records in columns, their hash index, token arena, pruning order and bounds; the
     per-key aggregates of attributed records. The base of `Tracker`; not used alone."""
 
-    _hash: array[int]
-    _par: array[int]
-    _clen: array[int]
+    _hash: vec[i64]
+    _par: vec[i64]
+    _haspar: vec[u8]
+    _clen: vec[i32]
+    _media: vec[u8]
     _big_len: dict[int, int]
     _state: list[State]
     _toff: array[int]
@@ -130,23 +134,26 @@ class BlockTable:
         self._k3: i64 = rnd(_MIX_BITS)
         self._k4: i64 = rnd(_MIX_BITS)
         self._k5: i64 = rnd(_MIX_BITS)
-        self._k6: i64 = rnd(_MIX_BITS)
         self.pruned = 0  # records dropped to honour a bound (monotonic, survives clears)
 
     def _reset_blocks(self) -> None:
         """No records, no keys (a clear)."""
-        # record columns, by slot
-        self._hash = array("Q")
-        self._par = array("Q")  # parent hash (meaningful when _haspar[slot])
-        self._haspar = bytearray()
-        self._clen = array("I")  # chain length in tokens, root..this block (see _len_of)
+        # record columns, by slot. The vectors (`librt.vecs`: compiled, their items are read
+        # and written in C, where an `array` item costs a boxed index, a boxed value and the
+        # generic item protocol, about 250 instructions) have room for `len(self._hash)` slots,
+        # `_nslots` of them in use (`_grow_columns`); the arrays and the list hold `_nslots`.
+        self._nslots = 0
+        self._hash = vec[i64]()  # block hash (`_signed`)
+        self._par = vec[i64]()  # parent hash (meaningful when _haspar[slot])
+        self._haspar = vec[u8]()
+        self._clen = vec[i32]()  # chain length in tokens, root..this block (see _len_of)
         self._big_len = {}  # slot -> chain length >= _BIG_LEN
-        self._media = bytearray()  # media bits and TAINT
+        self._media = vec[u8]()  # media bits and TAINT
         self._state = []
         self._toff = array(self._offset_code)  # own tokens: arena[toff:toff+tlen]
         self._tlen = array(self._count_code)
-        self._older = _slot_column(0)  # pruning order: least recently stored first
-        self._newer = _slot_column(0)
+        self._older = vec[i32]()  # pruning order: least recently stored first
+        self._newer = vec[i32]()
         self._oldest = NO_SLOT
         self._newest = NO_SLOT
         self._free = array("I")  # slots of removed records, reused first
@@ -167,7 +174,7 @@ class BlockTable:
         out: dict[int, BlockView] = {}
         r = self._oldest
         while r != NO_SLOT:
-            out[self._hash[r]] = BlockView(self._parent_of(r), self._len_of(r), self._media[r],
+            out[self._hash_of(r)] = BlockView(self._parent_of(r), self._len_of(r), self._media[r],
                                            self._state[r], self._tokens_of(r))
             r = self._newer[r]
         return out
@@ -185,35 +192,64 @@ class BlockTable:
 
     # --- records: index, columns, token arena ----------------------------------------------
 
-    def _pos(self, h: int, shift: int) -> int:
-        """The home position of hash `h` in an index of 2^(44 - `shift`) positions."""
-        x: i64 = hash(h)
-        low: i64 = h & 7
-        return ((self._k0 + (x & _PIECE) * self._k1 + ((x >> 13) & _PIECE) * self._k2
-                 + ((x >> 26) & _PIECE) * self._k3 + ((x >> 39) & _PIECE) * self._k4
-                 + (x >> 52) * self._k5 + low * self._k6) & _MIX_MASK) >> shift
+    def _pos(self, h: i64, shift: int) -> int:
+        """The home position of hash `h` (`_signed`) in an index of 2^(44 - `shift`) positions."""
+        return ((self._k0 + (h & _PIECE) * self._k1 + ((h >> 13) & _PIECE) * self._k2
+                 + ((h >> 26) & _PIECE) * self._k3 + ((h >> 39) & _PIECE) * self._k4
+                 + ((h >> 52) & _TOP) * self._k5) & _MIX_MASK) >> shift
 
     def _find(self, h: int) -> int:
         """The slot of the record of hash `h`, or NO_SLOT."""
+        return self._slot_of(_signed(h))
+
+    def _slot_of(self, h: i64) -> int:
+        """The slot of the record of hash `h` (`_signed`), or NO_SLOT."""
         idx = self._idx
         hashes = self._hash
         mask = self._mask
         i = self._pos(h, self._shift)
         while True:
-            s = idx[i]
+            s: int = idx[i]
             if s == _EMPTY:
                 return NO_SLOT
             if hashes[s] == h:
                 return s
             i = (i + 1) & mask
 
+    def _hash_of(self, r: int) -> int:
+        """The block hash of record `r`."""
+        return _unsigned(self._hash[r])
+
+    def _grow_columns(self, n: int) -> None:
+        """Room for an eighth more slots than the `n` in use in every vector column: grown by
+        this copy, not by `librt.vecs.append`, which doubles a full vector's capacity (up to
+        half of a column unused; `array` grows by an eighth, as here)."""
+        cap = n + n // 8 + 64
+        hashes, par, clen = vec[i64]([0] * cap), vec[i64]([0] * cap), vec[i32]([0] * cap)
+        haspar, media = vec[u8]([0] * cap), vec[u8]([0] * cap)
+        older, newer = _slot_column(cap), _slot_column(cap)
+        old_hashes, old_par, old_clen = self._hash, self._par, self._clen
+        old_haspar, old_media = self._haspar, self._media
+        old_older, old_newer = self._older, self._newer
+        for i in range(n):  # compiled: a C loop, a few ms per million slots
+            hashes[i] = old_hashes[i]
+            par[i] = old_par[i]
+            clen[i] = old_clen[i]
+            haspar[i] = old_haspar[i]
+            media[i] = old_media[i]
+            older[i] = old_older[i]
+            newer[i] = old_newer[i]
+        self._hash, self._par, self._clen = hashes, par, clen
+        self._haspar, self._media = haspar, media
+        self._older, self._newer = older, newer
+
     def _len_of(self, r: int) -> int:
         """The chain length of record `r`, root..r, in tokens."""
-        n = self._clen[r]
+        n: int = self._clen[r]
         return n if n != _BIG_LEN else self._big_len[r]
 
     def _parent_of(self, r: int) -> int | None:
-        return self._par[r] if self._haspar[r] else None
+        return _unsigned(self._par[r]) if self._haspar[r] else None
 
     def _tokens_of(self, r: int) -> array[int]:
         off = self._toff[r]
@@ -232,27 +268,23 @@ class BlockTable:
         free = self._free
         if free:
             r: int = _pop(free)
-            self._hash[r] = h
-            if parent is None:
-                self._haspar[r] = 0
-            else:
-                self._par[r] = parent
-                self._haspar[r] = 1
-            self._clen[r] = column_len
-            self._media[r] = media
         else:
-            r = len(self._hash)
-            _append(self._hash, h)
-            _append(self._par, 0 if parent is None else parent)
-            self._haspar.append(parent is not None)
-            _append(self._clen, column_len)
-            self._media.append(media)
+            r = self._nslots
+            if r >= len(self._hash):
+                self._grow_columns(r)
+            self._nslots = r + 1
             self._state.append(None)
             _append(self._toff, 0)
             _append(self._tlen, 0)
-            if r >= len(self._older):
-                self._older = _grown(self._older, r)
-                self._newer = _grown(self._newer, r)
+        hs = _signed(h)
+        self._hash[r] = hs
+        if parent is None:
+            self._haspar[r] = 0
+        else:
+            self._par[r] = _signed(parent)
+            self._haspar[r] = 1
+        self._clen[r] = column_len
+        self._media[r] = media
         if column_len == _BIG_LEN:
             self._big_len[r] = chain_len
         if tokens:
@@ -274,7 +306,7 @@ class BlockTable:
         # index it (the hash is not there: the first empty position takes it)
         idx = self._idx
         mask = self._mask
-        i = self._pos(h, self._shift)
+        i = self._pos(hs, self._shift)
         while idx[i] != _EMPTY:
             i = (i + 1) & mask
         idx[i] = r
@@ -389,7 +421,7 @@ class BlockTable:
         j = i
         while True:
             j = (j + 1) & mask
-            s = idx[j]
+            s: int = idx[j]
             if s == _EMPTY:
                 break
             home = self._pos(hashes[s], shift)
@@ -479,7 +511,7 @@ class BlockTable:
             self._drop_tokens(r)
 
     def _set_media(self, r: int, media: int) -> None:
-        old = self._media[r]
+        old: int = self._media[r]
         if old == media:
             return
         st = self._state[r]

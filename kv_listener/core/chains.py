@@ -122,7 +122,7 @@ class ChainResolution(BlockTable):
             head = self._find(ch.head) if ch.head is not None else NO_SLOT
             if head == NO_SLOT:
                 continue
-            head_hash = self._hash[head]
+            head_hash = self._hash_of(head)
             limited = min(self._len_of(head), self._max_chain)
             if ch.probe_q is not None and ch.probe_q > limited:  # its branch lost blocks since
                 ch.probe_q = None
@@ -286,7 +286,7 @@ class ChainResolution(BlockTable):
         cur = self._find(ch.head) if ch.head is not None else NO_SLOT
         while cur != NO_SLOT and state[cur] is ch:
             out.append(cur)
-            cur = self._find(par[cur]) if haspar[cur] else NO_SLOT
+            cur = self._slot_of(par[cur]) if haspar[cur] else NO_SLOT
         return out
 
     def _collect(self, r: int, n: int) -> array[int] | None:
@@ -311,7 +311,7 @@ class ChainResolution(BlockTable):
             parent = NO_SLOT
             parent_len = 0
             if self._haspar[cur]:
-                parent = self._find(self._par[cur])
+                parent = self._slot_of(self._par[cur])
                 if parent == NO_SLOT:
                     return None
                 parent_len = self._len_of(parent)
@@ -414,7 +414,7 @@ class ChainResolution(BlockTable):
                     anchor = r
                 else:
                     self._drop_tokens(r)  # `ch.tokens` has them
-            ch.anchor = None if anchor == NO_SLOT else self._hash[anchor]
+            ch.anchor = None if anchor == NO_SLOT else self._hash_of(anchor)
             if ch.nblocks == 0:
                 self._free_chain_tokens(ch)
             forks, ch.forks = ch.forks, ()
@@ -444,12 +444,12 @@ class ChainResolution(BlockTable):
         state = self._state
         anchor = self._find(ch.anchor) if ch.anchor is not None else NO_SLOT
         if anchor != NO_SLOT:
-            cur = self._find(self._par[anchor]) if self._haspar[anchor] else NO_SLOT
+            cur = self._slot_of(self._par[anchor]) if self._haspar[anchor] else NO_SLOT
             while cur != NO_SLOT and state[cur] is ch and self._len_of(cur) >= d:
                 parent = self._parent_of(cur)
                 self._attribute(cur, k)
                 ch.nblocks -= 1
-                ch.anchor = self._hash[cur]
+                ch.anchor = self._hash_of(cur)
                 cur = self._find(parent) if parent is not None else NO_SLOT
         # Pre-anchor blocks not reachable from the anchor are attributed when a child arrives.
         if ch.nblocks == 0:
@@ -504,7 +504,7 @@ class ChainResolution(BlockTable):
             return
         if ch.status != PENDING:
             return
-        h = self._hash[r]
+        h = self._hash_of(r)
         lost = {h}
         if ch.head != h:
             # A block in the middle went: the blocks below it lost their path to the root.
@@ -513,11 +513,11 @@ class ChainResolution(BlockTable):
                 self._state[b] = None
                 ch.nblocks -= 1
                 self._drop_tokens(b)
-                lost.add(self._hash[b])
+                lost.add(self._hash_of(b))
             if below:
                 self._count_unattributed(UnattributedReason.TOKENS_UNAVAILABLE)
-        parent = self._find(self._par[r]) if self._haspar[r] else NO_SLOT
-        ch.head = self._hash[parent] if parent != NO_SLOT and self._state[parent] is ch else None
+        parent = self._slot_of(self._par[r]) if self._haspar[r] else NO_SLOT
+        ch.head = self._hash_of(parent) if parent != NO_SLOT and self._state[parent] is ch else None
         if ch.inflight is not None and ch.inflight in lost and ch.head is not None:
             # The answer out is about a path the chain no longer has: what grows from its new
             # head may be another branch. Ask again for what is left.

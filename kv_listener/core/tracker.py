@@ -323,7 +323,7 @@ class Tracker(ChainResolution):
         media = bit | (TAINT if mismatch else 0)
         model = ev.lora_name or self._model
         max_chain = self._max_chain
-        media_, state_, hash_ = self._media, self._state, self._hash
+        state_ = self._state  # (the media column is read through self: a new block may grow it)
         offset = 0
         seglen = bs
         # chains this event started or extended -> what to do once all its blocks are in
@@ -334,16 +334,18 @@ class Tracker(ChainResolution):
                 seglen = seglens[i]
             r = self._find(h)
             if r != NO_SLOT:  # stored again: idempotent, adds its medium, refreshes its age
-                old = media_[r]
+                old: int = self._media[r]  # int: u8 arithmetic would refuse ~bit
                 if old | bit != old:
                     self._set_media(r, old | bit)
                 self._refresh(r)
                 prev = r
                 offset += seglen
                 continue
-            if prev != NO_SLOT and type(pst := state_[prev]) is KeyAggregate and not media_[prev] & TAINT:
+            if (prev != NO_SLOT and type(pst := state_[prev]) is KeyAggregate
+                    and not self._media[prev] & TAINT):
                 # the common case: the chain goes on under an attributed block
-                prev = self._new_block(h, hash_[prev], self._len_of(prev) + seglen, media, pst, None)
+                prev = self._new_block(h, self._hash_of(prev), self._len_of(prev) + seglen, media,
+                                       pst, None)
                 offset += seglen
                 continue
             if prev == NO_SLOT:  # _place's first case, without the call
@@ -365,7 +367,7 @@ class Tracker(ChainResolution):
             else:
                 keep = 0
             prev = self._new_block(
-                h, parent_hash if prev == NO_SLOT else hash_[prev], parent_len + seglen, media,
+                h, parent_hash if prev == NO_SLOT else self._hash_of(prev), parent_len + seglen, media,
                 state, tokens[offset : offset + keep] if keep else None,
             )
             if reason is not None:
@@ -402,7 +404,7 @@ class Tracker(ChainResolution):
         if st.status == PENDING:
             if mismatch:
                 return None, UnattributedReason.TOKEN_COUNT_MISMATCH, None
-            prev_hash = self._hash[prev]
+            prev_hash = self._hash_of(prev)
             if st.head == prev_hash:
                 return st, None, _STEP_GROW
             # A branch under a chain being resolved waits for its answer (SPEC §4: one call per
@@ -424,7 +426,7 @@ class Tracker(ChainResolution):
                 return k, None, None
             if mismatch:
                 return None, UnattributedReason.TOKEN_COUNT_MISMATCH, None
-            return self._new_chain(model, self._hash[prev]), None, _STEP_COMPARE
+            return self._new_chain(model, self._hash_of(prev)), None, _STEP_COMPARE
         return None, None, None  # under a discarded chain
 
     def _root_state(
@@ -473,7 +475,8 @@ class Tracker(ChainResolution):
         for h in ev.block_hashes:
             r = self._find(h)
             if r != NO_SLOT:
-                self._set_media(r, self._media[r] | bit)
+                m: int = self._media[r]
+                self._set_media(r, m | bit)
                 self._refresh(r)
                 prev = r
                 continue
@@ -484,7 +487,7 @@ class Tracker(ChainResolution):
             # No tokens: only an attributed chain can continue (by block_size, §4).
             st = self._state[prev]
             state: State = st if type(st) is KeyAggregate and not self._media[prev] & TAINT else None
-            prev = self._new_block(h, self._hash[prev], self._len_of(prev) + ev.block_size, bit,
+            prev = self._new_block(h, self._hash_of(prev), self._len_of(prev) + ev.block_size, bit,
                                    state, None)
 
     def _on_removed(self, ev: BlockRemoved) -> None:
@@ -501,7 +504,7 @@ class Tracker(ChainResolution):
             if bit is None:
                 self._remove(r)
                 continue
-            old = self._media[r]
+            old: int = self._media[r]
             if not old & bit:
                 continue  # not held in that medium
             media = old & ~bit
@@ -516,9 +519,10 @@ class Tracker(ChainResolution):
             self.removed_unknown += 1
             return
         new_bit = self._medium_bit(ev.new_medium)
+        old: int = self._media[r]
         if ev.old_medium is None:
             # Old level not reported: TRT-LLM blocks live in one level at a time.
-            media = (self._media[r] & TAINT) | new_bit
+            media = (old & TAINT) | new_bit
         else:
-            media = (self._media[r] & ~self._medium_bit(ev.old_medium)) | new_bit
+            media = (old & ~self._medium_bit(ev.old_medium)) | new_bit
         self._set_media(r, media)
