@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import signal
 from collections.abc import Mapping, Sequence
@@ -51,11 +52,38 @@ DRAIN_DEADLINE_S = 5.0
 GC_YOUNG_THRESHOLD = 5000
 
 
+#: glibc's `M_MMAP_THRESHOLD` (malloc.h) and the value it is pinned at: its default, 128 KiB.
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 128 << 10
+
+
+def pin_mmap_threshold() -> bool:
+    """Keep glibc's mmap threshold at its default instead of letting it rise. glibc raises it to
+    the size of every mapped block that is freed (up to 32 MiB); from then on blocks below that
+    size come from the heap, where a freed one is a hole that RSS keeps. The tracker's columns
+    grow by copy (`core.blocks`), the larger ones first: after one growth its smaller columns
+    came from the heap and every later growth left a hole, 116 B of RSS per block at a million
+    blocks in 16-block chains against 89 B with the threshold pinned (bench/peers.py memory,
+    2026-12-04). A pinned threshold costs a `mmap` per allocation of 128 KiB or more (a large
+    frame). No library wraps `mallopt`, so ctypes calls it. False, and nothing changed, on a C
+    library other than glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):
+            return False  # musl, macOS, ...: their own allocators
+        return bool(libc.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD),
+                                 ctypes.c_int(MMAP_THRESHOLD_BYTES)))
+    except (OSError, AttributeError):
+        return False
+
+
 def settle_heap() -> None:
     """Once start-up is done: what it built (modules, tokenizers, templates: most of the heap)
     lives as long as the process, so it goes out of the cyclic collector's way (a full collection
     walks the sources' state only and pauses the loop that much less), and the youngest
-    generation is collected less often (`GC_YOUNG_THRESHOLD`)."""
+    generation is collected less often (`GC_YOUNG_THRESHOLD`). Large blocks get their own
+    mappings from then on (`pin_mmap_threshold`)."""
+    pin_mmap_threshold()
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()
