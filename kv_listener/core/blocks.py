@@ -223,7 +223,7 @@ class BlockTable:
     def _grow_columns(self, n: int) -> None:
         """Room for an eighth more slots than the `n` in use in every vector column: grown by
         this copy, not by `librt.vecs.append`, which doubles a full vector's capacity (up to
-        half of a column unused; `array` grows by an eighth, as here)."""
+        half of a column unused; `array` grows by about a sixteenth)."""
         cap = n + n // 8 + 64
         hashes, par, clen = vec[i64]([0] * cap), vec[i64]([0] * cap), vec[i32]([0] * cap)
         haspar, media = vec[u8]([0] * cap), vec[u8]([0] * cap)
