@@ -33,6 +33,7 @@ from collections import Counter
 from typing import Any, Final
 
 import msgpack
+from msgspec.structs import astuple
 
 from kv_listener.core import wire
 from kv_listener.core.decode_events import (
@@ -246,6 +247,8 @@ def _decode_reference(
 
 
 _STORED_TYPES: Final = frozenset(wire.STORED_TYPES)
+_VLLM_STORED_MAP: Final[Any] = wire.VLLM_STORED_MAP
+_astuple: Final[Any] = astuple  # compiled: a C static, not a module attribute lookup per call
 _REMOVED_TYPES: Final = frozenset(wire.REMOVED_TYPES)
 
 
@@ -265,7 +268,23 @@ def _decode_typed(
     try:
         for ev in batch.events:
             t = type(ev)
-            if t in _STORED_TYPES:
+            if t is _VLLM_STORED_MAP:
+                # the current vLLM layout, the common case: its fields as one tuple (compiled,
+                # each attribute of a msgspec Struct is a generic lookup, ~160 instructions)
+                f: tuple[Any, ...] = _astuple(ev)
+                toks = wire_tokens(f[1], False)  # first, as the reference decoder reads it
+                hs = f[0]
+                if len(toks) > max_event_tokens:
+                    drops[DropReason.TOO_MANY_TOKENS] += 1
+                elif len(hs) > max_event_hashes:
+                    drops[DropReason.TOO_MANY_HASHES] += 1
+                else:
+                    parent = f[3]
+                    out.append(BlockStored(
+                        tuple([h if h >= 0 else h & _M for h in hs]),
+                        None if parent is None else parent if parent >= 0 else parent & _M,
+                        toks, f[2], f[4], f[6], f[5], f[8], wire_extra_keys(f[7]), None, f[9]))
+            elif t in _STORED_TYPES:
                 # tokens first, as the reference decoder reads them: a value outside u32 is its
                 # BAD_TOKENS even in an event too big to keep
                 toks = wire_tokens(ev.token_ids, False)

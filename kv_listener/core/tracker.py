@@ -62,7 +62,10 @@ Rules and choices, with the engine behaviour they come from (reference/wire-form
 
 from __future__ import annotations
 
-from typing import Final
+from array import array
+from typing import Any, Final
+
+from msgspec.structs import astuple
 
 from kv_listener.core.chains import ChainResolution
 from kv_listener.core.decode import vllm_salt_candidates
@@ -108,6 +111,14 @@ __all__ = ["BlockView", "SaltVerifier", "Tracker", "TrackerNotice", "Unattribute
 _VLLM: Final = Engine.VLLM
 _SGLANG: Final = Engine.SGLANG
 _FULL_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention", "unknown"})
+# A C static (not a module attribute lookup per call); the hot path reads an event's fields as
+# one tuple of them, in this order (checked at import).
+_astuple: Final[Any] = astuple
+_STORED_FIELDS: Final = ("block_hashes", "parent_hash", "token_ids", "block_size", "lora_id",
+                         "lora_name", "medium", "group_idx", "extra_keys", "cache_salt",
+                         "kv_cache_spec_kind")
+if BlockStored.__struct_fields__ != _STORED_FIELDS:  # pragma: no cover - a code edit
+    raise ImportError("core.tracker: BlockStored's fields moved; update _STORED_FIELDS")
 
 # What a store does for a chain once all the event's blocks are in
 _STEP_GROW: Final = 0  # grew at its head
@@ -288,28 +299,32 @@ class Tracker(ChainResolution):
         return ev.cache_salt
 
     def _on_stored(self, ev: BlockStored) -> None:
-        hashes = ev.block_hashes
+        # the event's fields as one tuple (compiled, each attribute of a msgspec Struct is a
+        # generic lookup, ~160 instructions; `_STORED_FIELDS` pins their order)
+        f: tuple[Any, ...] = _astuple(ev)
+        hashes: tuple[int, ...] = f[0]
         n = len(hashes)
         if n == 0:
             return
-        if ev.group_idx is not None and not self._accept_group(ev.group_idx, ev.kv_cache_spec_kind):
+        group = f[7]
+        if group is not None and not self._accept_group(group, f[10]):
             self.group_skipped += 1
             self._notice(TrackerNotice.GROUP_SKIPPED)
             return
-        medium = ev.medium
+        medium = f[6]
         bit = GPU_BIT if medium is None else self._media_bits.get(medium) or self._medium_bit(medium)
         prev = NO_SLOT
-        parent_hash = ev.parent_hash
+        parent_hash: int | None = f[1]
         if parent_hash is not None:
             prev = self._find(parent_hash)
             if prev != NO_SLOT:
                 self._refresh(prev)  # a child under it: it is in use
-        tokens = ev.token_ids
+        tokens: array[int] = f[2]
         total = len(tokens)
         if total == 0:
             self._on_tokenless(ev, prev, bit)
             return
-        bs = ev.block_size
+        bs: int = f[3]
         seglens: list[int] | None = None  # None: every block takes `bs` tokens
         if not (bs > 0 and total == bs * n) or tokens.typecode != "I":
             seglens = self._split(n, total, bs)
@@ -321,7 +336,8 @@ class Tracker(ChainResolution):
         else:
             mismatch = False
         media = bit | (TAINT if mismatch else 0)
-        model = ev.lora_name or self._model
+        lora_name: str | None = f[5]
+        model = lora_name or self._model
         max_chain = self._max_chain
         state_ = self._state  # (the media column is read through self: a new block may grow it)
         offset = 0
@@ -351,7 +367,7 @@ class Tracker(ChainResolution):
             if prev == NO_SLOT:  # _place's first case, without the call
                 parent_len = 0
                 if i == 0 and parent_hash is None:
-                    state, reason, step = self._root_state(ev, model, mismatch)
+                    state, reason, step = self._root_state(ev, model, mismatch, f)
                 else:
                     state, reason, step = None, UnattributedReason.ORPHAN, None
             else:
@@ -392,7 +408,7 @@ class Tracker(ChainResolution):
         """State of a new block under `prev`: (state, reason to count if discarded, next step)."""
         if prev == NO_SLOT:
             if i == 0 and ev.parent_hash is None:
-                return self._root_state(ev, model, mismatch)
+                return self._root_state(ev, model, mismatch, _astuple(ev))
             return None, UnattributedReason.ORPHAN, None
         if self._media[prev] & TAINT:
             return None, None, None  # under a block whose tokens did not fit
@@ -430,14 +446,15 @@ class Tracker(ChainResolution):
         return None, None, None  # under a discarded chain
 
     def _root_state(
-        self, ev: BlockStored, model: str, mismatch: bool
+        self, ev: BlockStored, model: str, mismatch: bool, f: tuple[Any, ...]
     ) -> tuple[State, UnattributedReason | None, int | None]:
-        """State of a new first block of a chain (no parent): the salt decides first."""
+        """State of a new first block of a chain (no parent): the salt decides first. `f`:
+        the event's fields (`_astuple(ev)`)."""
         verify = self._verify
         if verify is not None:
-            extra = ev.extra_keys
-            if (ev.cache_salt is None and extra and type(first := extra[0]) is tuple
-                    and len(first) == 1 and ev.lora_name is None and type(first[0]) is str
+            extra: tuple[Any, ...] | None = f[8]
+            if (f[9] is None and extra and type(first := extra[0]) is tuple
+                    and len(first) == 1 and f[5] is None and type(first[0]) is str
                     and self._engine is _VLLM):
                 # _salt_of's common case (a salted vLLM root: its salt alone), without the calls
                 salt: str | None = first[0] if first[0].startswith(SALT_PREFIX) else None

@@ -22,7 +22,7 @@ import msgspec
 
 from kv_listener.core.model import Engine
 
-__all__ = ["REMOVED_TYPES", "STORED_TYPES", "typed_batch"]
+__all__ = ["REMOVED_TYPES", "STORED_TYPES", "VLLM_STORED_MAP", "VLLM_STORED_MAP_FIELDS", "typed_batch"]
 
 # Token IDs are plain ints here: `core.decode` puts them in an `array("I")`, which refuses any
 # value outside 0 .. 2^32 - 1 (then the reference decoder takes the payload), so a range
@@ -137,6 +137,14 @@ _DECODERS: dict[Engine, tuple[msgspec.msgpack.Decoder[Any], ...]] = {
 
 #: The Struct types `typed_batch` can put in `events`, by kind.
 STORED_TYPES = (_VllmStoredMap, _SglangStoredMap, _VllmStoredArray, SglangStoredArray)
+#: The current vLLM layout (0.24 ..), which `core.decode` reads as one tuple of its fields, in
+#: this order (`msgspec.structs.astuple`: one C call instead of ten attribute lookups).
+VLLM_STORED_MAP = _VllmStoredMap
+VLLM_STORED_MAP_FIELDS = ("block_hashes", "token_ids", "block_size", "parent_block_hash",
+                          "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
+                          "kv_cache_spec_kind")
+if _VllmStoredMap.__struct_fields__ != VLLM_STORED_MAP_FIELDS:  # pragma: no cover - a code edit
+    raise ImportError("core.wire: _VllmStoredMap's fields moved; update VLLM_STORED_MAP_FIELDS")
 REMOVED_TYPES = (_RemovedMap, _RemovedArray)
 
 
