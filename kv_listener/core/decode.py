@@ -268,49 +268,42 @@ def _decode_typed(
     try:
         for ev in batch.events:
             t = type(ev)
-            if t is _VLLM_STORED_MAP:
-                # the current vLLM layout, the common case: its fields as one tuple (compiled,
-                # each attribute of a msgspec Struct is a generic lookup, ~160 instructions)
-                f: tuple[Any, ...] = _astuple(ev)
-                toks = wire_tokens(f[1], False)  # first, as the reference decoder reads it
-                hs = f[0]
-                if len(toks) > max_event_tokens:
-                    drops[DropReason.TOO_MANY_TOKENS] += 1
-                elif len(hs) > max_event_hashes:
-                    drops[DropReason.TOO_MANY_HASHES] += 1
+            if t in _STORED_TYPES:
+                if t is _VLLM_STORED_MAP:
+                    # the current vLLM layout, the common case: its fields as one tuple
+                    # (compiled, each attribute of a msgspec Struct is a generic lookup, ~160
+                    # instructions; `wire.VLLM_STORED_MAP_FIELDS` pins their order)
+                    f: tuple[Any, ...] = _astuple(ev)
+                    hs, raw, bs, parent, lora_id, medium, lora_name, raw_extra, group, kind = f
+                    salt = None
                 else:
-                    parent = f[3]
-                    out.append(BlockStored(
-                        tuple([h if h >= 0 else h & _M for h in hs]),
-                        None if parent is None else parent if parent >= 0 else parent & _M,
-                        toks, f[2], f[4], f[6], f[5], f[8], wire_extra_keys(f[7]), None, f[9]))
-            elif t in _STORED_TYPES:
+                    hs, raw, bs, parent, lora_id, medium = (
+                        ev.block_hashes, ev.token_ids, ev.block_size, ev.parent_block_hash,
+                        ev.lora_id, ev.medium)
+                    if not sglang:
+                        lora_name, group, raw_extra, salt, kind = (
+                            ev.lora_name, ev.group_idx, ev.extra_keys, None, ev.kv_cache_spec_kind)
+                    elif t is wire.SglangStoredArray:
+                        lora_name, group, raw_extra, kind = None, None, None, None
+                        salt = None if ev.meta is None else ev.meta.cache_salt
+                    else:
+                        lora_name, group, raw_extra, salt, kind = (
+                            ev.lora_name, None, None, ev.cache_salt, None)
                 # tokens first, as the reference decoder reads them: a value outside u32 is its
                 # BAD_TOKENS even in an event too big to keep
-                toks = wire_tokens(ev.token_ids, False)
-                hs = ev.block_hashes
+                toks = wire_tokens(raw, False)
                 if len(toks) > max_event_tokens:
                     drops[DropReason.TOO_MANY_TOKENS] += 1
                     continue
                 if len(hs) > max_event_hashes:
                     drops[DropReason.TOO_MANY_HASHES] += 1
                     continue
-                if not sglang:
-                    lora_name, group, extra, salt, kind = (
-                        ev.lora_name, ev.group_idx, wire_extra_keys(ev.extra_keys), None,
-                        ev.kv_cache_spec_kind)
-                elif t is wire.SglangStoredArray:
-                    lora_name, group, extra, kind = None, None, None, None
-                    salt = None if ev.meta is None else ev.meta.cache_salt
-                else:
-                    lora_name, group, extra, salt, kind = ev.lora_name, None, None, ev.cache_salt, None
-                parent = ev.parent_block_hash
                 out.append(BlockStored(
                     # msgspec gives msgpack ints: -2^63 .. 2^64 - 1; only negatives need the mask
                     tuple([h if h >= 0 else h & _M for h in hs]),
                     None if parent is None else parent if parent >= 0 else parent & _M,
-                    toks, ev.block_size, ev.lora_id, lora_name, ev.medium, group,
-                    extra, salt, kind))
+                    toks, bs, lora_id, lora_name, medium, group, wire_extra_keys(raw_extra), salt,
+                    kind))
             elif t in _REMOVED_TYPES:
                 hs = ev.block_hashes
                 if len(hs) > max_event_hashes:
