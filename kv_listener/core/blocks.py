@@ -140,9 +140,8 @@ class BlockTable:
         """No records, no keys (a clear)."""
         # record columns, by slot. The vectors (`librt.vecs`: compiled, their items are read
         # and written in C, where an `array` item costs a boxed index, a boxed value and the
-        # generic item protocol, about 250 instructions) have room for `len(self._hash)` slots,
-        # `_nslots` of them in use (`_grow_columns`); the arrays and the list hold `_nslots`.
-        self._nslots = 0
+        # generic item protocol, about 250 instructions) have room for `len(self._hash)` slots
+        # (`_grow_columns`); the arrays and the state list hold the slots in use.
         self._hash = vec[i64]()  # block hash (`_signed`)
         self._par = vec[i64]()  # parent hash (meaningful when _haspar[slot])
         self._haspar = vec[u8]()
@@ -269,10 +268,9 @@ class BlockTable:
         if free:
             r: int = _pop(free)
         else:
-            r = self._nslots
+            r = len(self._state)
             if r >= len(self._hash):
                 self._grow_columns(r)
-            self._nslots = r + 1
             self._state.append(None)
             _append(self._toff, 0)
             _append(self._tlen, 0)
