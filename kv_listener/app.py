@@ -81,9 +81,7 @@ def settle_heap() -> None:
     """Once start-up is done: what it built (modules, tokenizers, templates: most of the heap)
     lives as long as the process, so it goes out of the cyclic collector's way (a full collection
     walks the sources' state only and pauses the loop that much less), and the youngest
-    generation is collected less often (`GC_YOUNG_THRESHOLD`). Large blocks get their own
-    mappings from then on (`pin_mmap_threshold`)."""
-    pin_mmap_threshold()
+    generation is collected less often (`GC_YOUNG_THRESHOLD`)."""
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()
@@ -226,6 +224,7 @@ class Listener:
         return True
 
     async def run(self) -> None:
+        pin_mmap_threshold()  # before any source starts: their trackers' columns grow from here
         loop = asyncio.get_running_loop()
         self._salt_secret = read_secret(self.config.cache_salt.secret_file,
                                         self.config.cache_salt.secret_env)
