@@ -55,8 +55,12 @@ async def writers(stack: Any, routers: list[RouterView]) -> dict[str, list[str]]
 def with_lease(doc: dict[str, Any], cluster: LocalRedisCluster, name: str) -> dict[str, Any]:
     """`doc` (a router file) on the cluster index with the writer lease, holder `router-<name>`."""
     doc["kv_cache_index"]["backend"] = "redis"
+    # failover_wait_ms well above a failover (about 2.5 s here, longer on a loaded machine):
+    # at 2000 ms all three routers could fall back at once during the master's failover, and a
+    # router in its fallback holds no lease until its 30 s probe (the suite failed so once,
+    # 2026-12-04: both lease keys empty after the failover). The default is 15000.
     doc["response_cache"] = {"redis": {"url": cluster.url, "cluster": True,
-                                       "failover_wait_ms": 2000, "command_timeout_ms": 500,
+                                       "failover_wait_ms": 10000, "command_timeout_ms": 500,
                                        "connect_timeout_ms": 500}}
     doc["kv_cache_index"]["writer_lease"] = {
         "enabled": True, "ttl_ms": TTL_MS, "renew_interval_ms": RENEW_MS,
