@@ -9,10 +9,12 @@ on `replay_endpoint`. The process gets its own session, so `kill()` (SIGKILL) an
 (SIGTERM, then SIGKILL) reach its worker children by process group. Everything listens on
 127.0.0.1, and nothing is downloaded (HF_HUB_OFFLINE).
 
-The engine core runs inside the API server process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's
-own switch): the same scheduler, KV cache manager and ZMQ publisher as the default layout, one
-process fewer to start, whose imports are a third of a boot here (26 -> 19 CPU s a boot; the
-module's 18 tests alone 144 -> 114 s, 2026-12-04).
+The model runs inside the engine core's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, vLLM's own
+switch: on CPU it keeps the uniprocess executor instead of starting a worker process; the API
+server still starts the engine core as its own process, which the logs show as `EngineCore`):
+the same scheduler, KV cache manager and ZMQ publisher as the default layout, one process fewer
+to start, whose imports are a third of a boot here (26 -> 19 CPU s a boot; the module's 18
+tests alone 144 -> 114 s, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class VllmEngine:
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_CPU_KVCACHE_SPACE="1",
                    TOKENIZERS_PARALLELISM="false",
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0")  # engine core in-process: see the docstring
+                   VLLM_ENABLE_V1_MULTIPROCESSING="0")  # no worker process: see the docstring
         for var in ("VIRTUAL_ENV", "PYTHONPATH"):  # the project's venv must not leak in
             env.pop(var, None)
         with self.log_path.open("wb") as log:
