@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any, Final
 
+from msgspec.structs import astuple
+
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.records import Record, RecordEvent, upsert_event
 from kv_listener.core.structs import FrozenStruct, UntrackedStruct
@@ -182,11 +184,15 @@ class EventLog:
         before changing anything, when a transition is malformed.
         """
         batch = transitions if type(transitions) is list else list(transitions)
+        # each transition's fields as one tuple (compiled, each attribute of a msgspec Struct
+        # is a generic lookup, ~160 instructions; `_TRANSITION_FIELDS` pins their order)
+        rows: list[tuple[Any, ...]] = []
         for t in batch:
+            row: tuple[Any, ...] = _astuple(t)
             # _validate raises for none of these (two records per block: no call for them)
-            if t.prefix_hash is None or not (t.kind is _EVICTED or (
-                    t.token_count >= 0 and t.tier is not None)):
+            if row[1] is None or not (row[0] is _EVICTED or (row[2] >= 0 and row[3] is not None)):
                 _validate(t)
+            rows.append(row)
         out = self.flush(now) if self._due_heap else []
         # Boxed once (compiled, a float or int local is a machine value, boxed anew for each
         # call that takes an object): the records of this call and their live entries share
@@ -199,15 +205,16 @@ class EventLog:
         # bound once: compiled, `deque.append` by name is a method lookup per call
         remember = self._history.append
         head, backend = f"{self.epoch}-", self.backend
-        for t in batch:
-            kind = t.kind
+        for i in range(len(rows)):
+            # untyped, as the attributes were read (compiled, a typed local is a cast)
+            kind, prefix, count, tier = rows[i]
             if kind is _CREATED:
-                prefix, count, tier = t.prefix_hash, t.token_count, t.tier or _GPU_HOT
+                tier = tier or _GPU_HOT
                 if pending:
-                    pending.pop(prefix, None)  # type: ignore[arg-type]
+                    pending.pop(prefix, None)
                 # one lookup whether the prefix is new (the common case) or known
                 new = _Live(count, tier, stamp)
-                old = live.setdefault(prefix, new)  # type: ignore[arg-type]
+                old = live.setdefault(prefix, new)
                 if old is not new:
                     if old.count == count and old.tier is tier:
                         continue
@@ -219,10 +226,9 @@ class EventLog:
                 out.append(rec)
                 continue
             if kind is _EVICTED:
-                prefix = t.prefix_hash
                 if pending:
-                    pending.pop(prefix, None)  # type: ignore[arg-type]
-                if live.pop(prefix, None) is None:  # type: ignore[arg-type]
+                    pending.pop(prefix, None)
+                if live.pop(prefix, None) is None:
                     continue  # consumers never heard of it: nothing to take back
                 self._seq = seq = self._seq + 1
                 rec = Record(f"{head}{seq}", _CACHE_EVICTED, backend, prefix, None, None, stamp)
@@ -232,12 +238,11 @@ class EventLog:
             if kind is TransitionKind.CLEARED:
                 self._clear(now, out)
                 continue
-            prefix = t.prefix_hash
             assert prefix is not None  # checked by _validate
             if kind is TransitionKind.TOKEN_COUNT:
-                self._update_count(prefix, t, now, out)
+                self._update_count(prefix, batch[i], now, out)
             else:  # TIER: at once
-                self._upsert(prefix, t.token_count, t.tier or Tier.GPU_HOT, now, out)
+                self._upsert(prefix, count, tier or Tier.GPU_HOT, now, out)
         return out
 
     def flush(self, now: float) -> list[Record]:
@@ -352,6 +357,10 @@ _CACHE_EVICTED: Final = RecordEvent.CACHE_EVICTED
 _CACHE_CREATED: Final = RecordEvent.CACHE_CREATED
 _CACHE_OFFLOADED: Final = RecordEvent.CACHE_OFFLOADED
 _GPU_HOT: Final = Tier.GPU_HOT
+_astuple: Final[Any] = astuple  # compiled: a C static, not a module attribute lookup per call
+_TRANSITION_FIELDS: Final = ("kind", "prefix_hash", "token_count", "tier")
+if PrefixTransition.__struct_fields__ != _TRANSITION_FIELDS:  # pragma: no cover - a code edit
+    raise ImportError("core.eventlog: PrefixTransition's fields moved; update _TRANSITION_FIELDS")
 
 
 def _validate(t: PrefixTransition) -> None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
+from msgspec.structs import astuple
+
 from kv_listener.core.model import Tier
 from kv_listener.core.records import (
     ControlEvent,
@@ -66,6 +68,12 @@ _TIER_TEXT: dict[Tier | None, str] = {t: t.value for t in Tier}
 # directly; two per record.
 _isascii: Final[Any] = str.isascii
 _isalnum: Final[Any] = bytes.isalnum
+# A record's fields as one tuple, in this order (checked at import): compiled, each attribute
+# of a msgspec Struct is a generic lookup (~160 instructions), and a record has eight of them.
+_astuple: Final[Any] = astuple
+_RECORD_FIELDS: Final = ("id", "event", "backend", "prefix_hash", "token_count", "tier", "ts")
+if Record.__struct_fields__ != _RECORD_FIELDS:  # pragma: no cover - a code edit
+    raise ImportError("core.sse: Record's fields moved; update _RECORD_FIELDS")
 
 
 def encode_record_list(records: Sequence[Record]) -> list[bytes]:
@@ -79,8 +87,14 @@ def encode_record_list(records: Sequence[Record]) -> list[bytes]:
     heads: dict[tuple[RecordEvent, str], str] = {}
     tails: dict[float, str | None] = {}
     for r in records:
-        rid, ts = r.id, r.ts
-        event = r.event
+        f: tuple[Any, ...] = _astuple(r)  # typed: unpacked by index, not by iteration
+        # event, count, tier and ts untyped: a record may hold anything there (a plain str
+        # event, an int ts, a float count), which the checks below send to encode_record; a
+        # typed local would be a cast, which raises
+        rid: str | None
+        backend: str
+        prefix: str | None
+        rid, event, backend, prefix, count, tier, ts = f
         if rid is None or type(ts) is not float or type(event) is not RecordEvent:
             out.append(encode_record(r))
             continue
@@ -89,24 +103,23 @@ def encode_record_list(records: Sequence[Record]) -> list[bytes]:
             rounded = round(ts, 3)
             # inf and nan are not JSON numbers: json.dumps' path (encode_record) writes them
             tail = tails[ts] = None if rounded - rounded != 0.0 else f',"ts":{rounded!r}}}\n\n'
-        head = heads.get((event, r.backend))
+        head = heads.get((event, backend))
         if head is None:
-            head = heads[(event, r.backend)] = f"\nevent: {event}\ndata: {data_head(event, r.backend)}"
+            head = heads[(event, backend)] = f"\nevent: {event}\ndata: {data_head(event, backend)}"
         if tail is None:
             out.append(encode_record(r))
         elif event is _CLEARED:
             out.append(f"id: {rid}{head}{tail}".encode())
-        elif (prefix := r.prefix_hash) is None or not (_isascii(prefix)
-                                                        and _isalnum(prefix.encode())):
+        elif prefix is None or not (_isascii(prefix) and _isalnum(prefix.encode())):
             # (bytes.isalnum: the same verdict for ASCII text, by table, 4x faster than str's)
             out.append(encode_record(r))
         elif event is not _CREATED and event is not _OFFLOADED:
             out.append(f'id: {rid}{head},"prefix_hash":"{prefix}"{tail}'.encode())
-        elif type(count := r.token_count) is not int or (tier := _TIER_TEXT.get(r.tier)) is None:
+        elif type(count) is not int or (tier_text := _TIER_TEXT.get(tier)) is None:
             out.append(encode_record(r))
         else:
             out.append(f'id: {rid}{head},"prefix_hash":"{prefix}","token_count":{count},'
-                       f'"tier":"{tier}"{tail}'.encode())
+                       f'"tier":"{tier_text}"{tail}'.encode())
     return out
 
 
