@@ -183,9 +183,8 @@ def test_settled_heap_is_frozen_and_young_objects_are_collected_less_often() -> 
         gc.set_threshold(*before)
 
 
-_MMAP_PROBE = """
-import ctypes, sys
-from kv_listener.app import pin_mmap_threshold
+_MALLINFO = """
+import ctypes
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
@@ -194,13 +193,39 @@ class MallInfo2(ctypes.Structure):
 
 libc = ctypes.CDLL(None)
 libc.mallinfo2.restype = MallInfo2
+
+def mapped_after_a_larger_freed_block():
+    big = bytearray(1 << 20)  # above the 128 KiB default: a mapping of its own
+    del big  # freed: glibc raises its threshold to 1 MiB, unless pinned
+    mapped = libc.mallinfo2().hblkhd
+    column = bytearray(600 << 10)  # a smaller block after a larger one went: a grown column
+    return libc.mallinfo2().hblkhd - mapped >= 600 << 10
+"""
+
+_MMAP_PROBE = _MALLINFO + """
+import sys
+from kv_listener.app import pin_mmap_threshold
+
 if sys.argv[1] == "pin":
     assert pin_mmap_threshold()
-big = bytearray(1 << 20)  # above the 128 KiB default: a mapping of its own
-del big  # freed: glibc raises its threshold to 1 MiB, unless pinned
-mapped = libc.mallinfo2().hblkhd
-column = bytearray(600 << 10)  # a smaller block after a larger one went: a grown column
-print(libc.mallinfo2().hblkhd - mapped >= 600 << 10)
+print(mapped_after_a_larger_freed_block())
+"""
+
+#: The daemon's own start: `Listener.run` pins the threshold before its first await.
+_RUN_PROBE = _MALLINFO + """
+import asyncio, sys
+from kv_listener.app import Listener
+from kv_listener.config import parse_config
+
+async def main():
+    listener = Listener(parse_config({"listen": "127.0.0.1:" + sys.argv[1]}))
+    run = asyncio.create_task(listener.run())
+    await asyncio.sleep(0)  # one turn of the loop: run() has started, up to its first await
+    print("mapped:", mapped_after_a_larger_freed_block(), flush=True)  # the daemon logs too
+    listener.request_stop()
+    await run
+
+asyncio.run(main())
 """
 
 
@@ -216,3 +241,12 @@ def test_pinned_mmap_threshold_maps_a_block_that_follows_a_larger_freed_one() ->
 
     assert probe("default") == "False"  # glibc's own behaviour: what the pin is for
     assert probe("pin") == "True"
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc >= 2.33 only")
+def test_the_listener_pins_the_mmap_threshold_as_it_starts() -> None:
+    """The daemon's start does pin it (a listener with no source, in a fresh process)."""
+    done = subprocess.run([sys.executable, "-c", _RUN_PROBE, str(free_port())],
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "mapped: True" in done.stdout.splitlines(), done.stdout[-2000:]
