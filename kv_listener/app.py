@@ -101,6 +101,7 @@ class Listener:
             ListenerCollector(self._source_views, self.hub.stream_views, self._bus_view))
         self.server: RunningServer | None = None
         self._stop = asyncio.Event()
+        self._mmap_pinned = False  # pin_mmap_threshold() took (glibc), set by run()
         self._reloader = SerialReloader(self.reload, self._stop.is_set, log)
         self._salt_secret: bytes | None = None
 
@@ -224,7 +225,8 @@ class Listener:
         return True
 
     async def run(self) -> None:
-        pin_mmap_threshold()  # before any source starts: their trackers' columns grow from here
+        # before any source starts: their trackers' columns grow from here
+        self._mmap_pinned = pin_mmap_threshold()
         loop = asyncio.get_running_loop()
         self._salt_secret = read_secret(self.config.cache_salt.secret_file,
                                         self.config.cache_salt.secret_env)
@@ -264,7 +266,8 @@ class Listener:
             self._start_bus()
             settle_heap()
             log.info("listener_started", sources=len(self.config.sources),
-                     listen=f"{self.config.listen_host}:{self.server.port}")
+                     listen=f"{self.config.listen_host}:{self.server.port}",
+                     mmap_threshold_pinned=self._mmap_pinned)
             await self._stop.wait()
             log.info("listener_stopping")
             # Every stream (SSE and pushed) gets `draining`; the push client waits for the router

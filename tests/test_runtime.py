@@ -245,8 +245,11 @@ def test_pinned_mmap_threshold_maps_a_block_that_follows_a_larger_freed_one() ->
 
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="glibc >= 2.33 only")
 def test_the_listener_pins_the_mmap_threshold_as_it_starts() -> None:
-    """The daemon's start does pin it (a listener with no source, in a fresh process)."""
+    """The daemon's start does pin it, and says so in its start-up line (a listener with no
+    source, in a fresh process)."""
     done = subprocess.run([sys.executable, "-c", _RUN_PROBE, str(free_port())],
                           capture_output=True, text=True, timeout=30, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "mapped: True" in done.stdout.splitlines(), done.stdout[-2000:]
+    started = [line for line in done.stdout.splitlines() if "listener_started" in line]
+    assert len(started) == 1 and "mmap_threshold_pinned=True" in started[0], done.stdout[-2000:]
