@@ -38,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """No cyclic garbage collection while the tests are collected; what collection built is
     frozen after it. Collecting imports every test module (re-writing its asserts) and makes
     ~1,700 items that live to the end: CPython's collector, run every 700 allocations, walked
-    that growing heap again and again (a cold collection 6.5 -> 4.8 CPU s per worker, four
+    that growing heap again and again (a cold collection 6.5 -> 4.2-4.8 CPU s per worker, four
     workers; later full collections skip the frozen part). Not in xdist's controller: it
     collects nothing."""
     if config.getoption("numprocesses", None) and not hasattr(config, "workerinput"):
