@@ -58,6 +58,7 @@ import contextlib
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -284,7 +285,9 @@ class _Driver:
         if op == "close":
             engine = self.engines.pop(int(cmd["engine"]))
             if cmd.get("wait"):  # an engine restart: its ports must be free again
+                replay = engine.replay_endpoint
                 engine.close()
+                _wait_port_free(replay)
                 return {}
             # SGLang's shutdown() can wait its full 1 s timeout (its thread may exit before
             # taking the sentinel); nothing depends on it, so it runs beside the next commands.
@@ -293,6 +296,28 @@ class _Driver:
             self.closers.append(closer)
             return {}
         raise DriverError(f"unknown op {op!r}")
+
+
+def _wait_port_free(endpoint: str | None, timeout_s: float = 5.0) -> None:
+    """Until nothing listens on a `tcp://host:port` endpoint (bounded). pyzmq's `close()`
+    returns before libzmq's I/O thread has closed the socket, so the next engine's bind of the
+    same replay port could fail (EADDRINUSE: seen once on CI, 2026-12-04). The probe sets
+    SO_REUSEADDR as libzmq does: a connection left in TIME_WAIT does not hold it up."""
+    if endpoint is None or not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, int(port)))
+                return
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise DriverError(f"replay port still in use {timeout_s:.0f} s after "
+                                      "the publisher closed") from None
+        time.sleep(0.01)  # libzmq's I/O thread gives no signal to wait on: bounded above
 
 
 def _describe(exc: BaseException, *, messages: bool = False) -> str:
