@@ -364,7 +364,7 @@ class Tracker(ChainResolution):
                                        pst, None)
                 offset += seglen
                 continue
-            if prev == NO_SLOT:  # _place's first case, without the call
+            if prev == NO_SLOT:  # a chain's first block, or an orphan
                 parent_len = 0
                 if i == 0 and parent_hash is None:
                     state, reason, step = self._root_state(ev, model, mismatch, f)
@@ -372,7 +372,7 @@ class Tracker(ChainResolution):
                     state, reason, step = None, UnattributedReason.ORPHAN, None
             else:
                 parent_len = self._len_of(prev)
-                state, reason, step = self._place(ev, prev, i, model, mismatch)
+                state, reason, step = self._place(prev, model, mismatch)
             if type(state) is Chain:
                 keep = min(seglen, max(0, max_chain - parent_len))
                 if step is not None:
@@ -403,13 +403,10 @@ class Tracker(ChainResolution):
                 self._on_growth(ch)
 
     def _place(
-        self, ev: BlockStored, prev: int, i: int, model: str, mismatch: bool
+        self, prev: int, model: str, mismatch: bool
     ) -> tuple[State, UnattributedReason | None, int | None]:
-        """State of a new block under `prev`: (state, reason to count if discarded, next step)."""
-        if prev == NO_SLOT:
-            if i == 0 and ev.parent_hash is None:
-                return self._root_state(ev, model, mismatch, _astuple(ev))
-            return None, UnattributedReason.ORPHAN, None
+        """State of a new block under record `prev` (a chain's first block and an orphan are
+        `_on_stored`'s own cases): (state, reason to count if discarded, next step)."""
         if self._media[prev] & TAINT:
             return None, None, None  # under a block whose tokens did not fit
         st = self._state[prev]
