@@ -157,3 +157,15 @@ def test_a_build_without_a_working_compiler_installs_the_pure_core(
     cmd.run()
     assert list((tmp_path / "lib").rglob("*.so")) == []
     assert cmd.extensions == []
+
+
+def test_a_struct_read_by_position_is_pinned_to_its_field_order() -> None:
+    """The hot paths unpack `astuple` tuples by position (decode, tracker, event log, SSE
+    encoder); `fields_in_order` makes a moved field an import error, not a wrong value."""
+    from kv_listener.core.model import PrefixTransition  # noqa: PLC0415
+    from kv_listener.core.structs import fields_in_order  # noqa: PLC0415
+
+    order = ("kind", "prefix_hash", "token_count", "tier")
+    assert fields_in_order(PrefixTransition, order) == order
+    with pytest.raises(ImportError, match="PrefixTransition's fields"):
+        fields_in_order(PrefixTransition, ("prefix_hash", "kind", "token_count", "tier"))

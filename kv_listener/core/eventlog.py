@@ -28,7 +28,7 @@ from msgspec.structs import astuple
 
 from kv_listener.core.model import PrefixTransition, Tier, TransitionKind
 from kv_listener.core.records import Record, RecordEvent, upsert_event
-from kv_listener.core.structs import FrozenStruct, UntrackedStruct
+from kv_listener.core.structs import FrozenStruct, UntrackedStruct, fields_in_order
 
 # Record and RecordEvent are re-exported: the log's callers name them from here too.
 __all__ = ["EventLog", "Record", "RecordEvent", "Replay", "ResyncReason", "parse_event_id"]
@@ -358,9 +358,8 @@ _CACHE_CREATED: Final = RecordEvent.CACHE_CREATED
 _CACHE_OFFLOADED: Final = RecordEvent.CACHE_OFFLOADED
 _GPU_HOT: Final = Tier.GPU_HOT
 _astuple: Final[Any] = astuple  # compiled: a C static, not a module attribute lookup per call
-_TRANSITION_FIELDS: Final = ("kind", "prefix_hash", "token_count", "tier")
-if PrefixTransition.__struct_fields__ != _TRANSITION_FIELDS:  # pragma: no cover - a code edit
-    raise ImportError("core.eventlog: PrefixTransition's fields moved; update _TRANSITION_FIELDS")
+_TRANSITION_FIELDS: Final = fields_in_order(PrefixTransition,
+                                             ("kind", "prefix_hash", "token_count", "tier"))
 
 
 def _validate(t: PrefixTransition) -> None:

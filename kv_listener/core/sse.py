@@ -30,7 +30,7 @@ from kv_listener.core.records import (
     encode_data,
     record_data,
 )
-from kv_listener.core.structs import FrozenStruct
+from kv_listener.core.structs import FrozenStruct, fields_in_order
 
 # ControlEvent and record_data are re-exported: SSE users name them from here too.
 __all__ = [
@@ -71,9 +71,8 @@ _isalnum: Final[Any] = bytes.isalnum
 # A record's fields as one tuple, in this order (checked at import): compiled, each attribute
 # of a msgspec Struct is a generic lookup (~160 instructions), and a record has eight of them.
 _astuple: Final[Any] = astuple
-_RECORD_FIELDS: Final = ("id", "event", "backend", "prefix_hash", "token_count", "tier", "ts")
-if Record.__struct_fields__ != _RECORD_FIELDS:  # pragma: no cover - a code edit
-    raise ImportError("core.sse: Record's fields moved; update _RECORD_FIELDS")
+_RECORD_FIELDS: Final = fields_in_order(
+    Record, ("id", "event", "backend", "prefix_hash", "token_count", "tier", "ts"))
 
 
 def encode_record_list(records: Sequence[Record]) -> list[bytes]:

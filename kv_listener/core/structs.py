@@ -22,3 +22,13 @@ class FrozenStruct(msgspec.Struct, frozen=True, gc=False):
 class UntrackedStruct(msgspec.Struct, gc=False):
     """Mutable; not tracked by the cyclic GC: for values that hold only scalars, strings and
     enum members."""
+
+
+def fields_in_order(cls: type[msgspec.Struct], fields: tuple[str, ...]) -> tuple[str, ...]:
+    """`fields`, once checked to be `cls`'s fields in declaration order: for hot paths that read
+    a Struct's fields as one `msgspec.structs.astuple` tuple and unpack it by position. Raises
+    ImportError at the importing module's load when a field was added, removed or moved."""
+    if cls.__struct_fields__ != fields:
+        raise ImportError(f"{cls.__qualname__}'s fields are {cls.__struct_fields__}, not {fields}:"
+                          " update the positional reads of its astuple tuple")
+    return fields

@@ -102,6 +102,7 @@ from kv_listener.core.record_state import (
 )
 from kv_listener.core.salt import KEY_BYTES, SALT_PREFIX
 from kv_listener.core.salt import SaltVerifier as CacheSaltVerifier
+from kv_listener.core.structs import fields_in_order
 
 __all__ = ["BlockView", "SaltVerifier", "Tracker", "TrackerNotice", "UnattributedReason",
            "common_prefix_len"]
@@ -114,11 +115,9 @@ _FULL_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_at
 # A C static (not a module attribute lookup per call); the hot path reads an event's fields as
 # one tuple of them, in this order (checked at import).
 _astuple: Final[Any] = astuple
-_STORED_FIELDS: Final = ("block_hashes", "parent_hash", "token_ids", "block_size", "lora_id",
-                         "lora_name", "medium", "group_idx", "extra_keys", "cache_salt",
-                         "kv_cache_spec_kind")
-if BlockStored.__struct_fields__ != _STORED_FIELDS:  # pragma: no cover - a code edit
-    raise ImportError("core.tracker: BlockStored's fields moved; update _STORED_FIELDS")
+_STORED_FIELDS: Final = fields_in_order(BlockStored, (
+    "block_hashes", "parent_hash", "token_ids", "block_size", "lora_id", "lora_name", "medium",
+    "group_idx", "extra_keys", "cache_salt", "kv_cache_spec_kind"))
 
 # What a store does for a chain once all the event's blocks are in
 _STEP_GROW: Final = 0  # grew at its head

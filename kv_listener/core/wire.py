@@ -21,6 +21,7 @@ from typing import Annotated, Any
 import msgspec
 
 from kv_listener.core.model import Engine
+from kv_listener.core.structs import fields_in_order
 
 __all__ = ["REMOVED_TYPES", "STORED_TYPES", "VLLM_STORED_MAP", "VLLM_STORED_MAP_FIELDS", "typed_batch"]
 
@@ -140,11 +141,9 @@ STORED_TYPES = (_VllmStoredMap, _SglangStoredMap, _VllmStoredArray, SglangStored
 #: The current vLLM layout (0.24 ..), which `core.decode` reads as one tuple of its fields, in
 #: this order (`msgspec.structs.astuple`: one C call instead of ten attribute lookups).
 VLLM_STORED_MAP = _VllmStoredMap
-VLLM_STORED_MAP_FIELDS = ("block_hashes", "token_ids", "block_size", "parent_block_hash",
-                          "lora_id", "medium", "lora_name", "extra_keys", "group_idx",
-                          "kv_cache_spec_kind")
-if _VllmStoredMap.__struct_fields__ != VLLM_STORED_MAP_FIELDS:  # pragma: no cover - a code edit
-    raise ImportError("core.wire: _VllmStoredMap's fields moved; update VLLM_STORED_MAP_FIELDS")
+VLLM_STORED_MAP_FIELDS = fields_in_order(_VllmStoredMap, (
+    "block_hashes", "token_ids", "block_size", "parent_block_hash", "lora_id", "medium",
+    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"))
 REMOVED_TYPES = (_RemovedMap, _RemovedArray)
 
 
