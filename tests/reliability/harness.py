@@ -469,12 +469,21 @@ class Stack:
             if not found:
                 return {n: len(e.truth.expected()) for n, e in self.engines.items()}
             if time.monotonic() >= deadline:
-                logs = [{k: v for k, v in rec.items() if k not in ("timestamp", "_seen")}
-                        for rec in self.listener.read_logs()[-25:]]
                 raise AssertionError("not converged after the fault:\n  " + "\n  ".join(found)
-                                     + "\nlistener's last log lines:\n  "
-                                     + "\n  ".join(map(str, logs)))
+                                     + self._last_logs())
             await asyncio.sleep(0.25)
+
+    def _last_logs(self) -> str:
+        """The listener's last log lines and each router's last warnings and errors, for a
+        failure message: what a process said about the fault is most of the diagnosis."""
+        def lines(recs: list[dict[str, Any]]) -> str:
+            return "\n  ".join(str({k: v for k, v in rec.items() if k not in ("timestamp", "_seen")})
+                               for rec in recs)
+        out = "\nlistener's last log lines:\n  " + lines(self.listener.read_logs()[-25:])
+        for r in self.routers:
+            warned = [rec for rec in r.daemon.read_logs() if rec.get("level") in ("warning", "error")]
+            out += f"\nrouter {r.name}'s last warnings and errors:\n  " + lines(warned[-15:])
+        return out
 
     async def listener_stats(self) -> dict[str, Any]:
         async with self.http.get(f"{self.base}/stats") as resp:
