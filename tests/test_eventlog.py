@@ -336,3 +336,21 @@ def test_a_live_prefix_costs_its_dict_entry_and_a_small_value() -> None:
     assert log.live_count == n and log.history_len == 1000
     assert log.live()[prefixes[-1]] == (1000 + n - 1, Tier.GPU_HOT)
     assert grown / n < 110, grown / n
+
+
+def test_records_written_counts_every_numbered_record_by_event_and_no_replay() -> None:
+    log = new_log(interval=1.0)
+    assert log.records_written() == {}
+    written: list[Record] = []
+    written += log.record([created(P1, 16), created(P2, 32, Tier.STORAGE_WARM)], 0.0)
+    written += log.record([count(P1, 48)], 0.5)  # coalesced: due at 1.0
+    written += log.record([moved(P2, 32, Tier.GPU_HOT), evicted(P1)], 0.6)
+    written += log.record([created(P3, 16)], 0.7)
+    written += log.flush(2.0)
+    written += log.record([CLEARED], 3.0)
+    log.since(None, 3.0)  # a replay: its records are not written again
+    by_event: dict[str, int] = {}
+    for r in written:
+        by_event[r.event.value] = by_event.get(r.event.value, 0) + 1
+    assert log.records_written() == by_event == {
+        "cache_created": 3, "cache_offloaded": 1, "cache_evicted": 1, "cache_cleared": 1}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import operator
 import secrets
 import time
 from collections import Counter, deque
@@ -28,7 +27,6 @@ import structlog
 
 from kv_listener.core.eventlog import EventLog, Record, Replay, ResyncReason
 from kv_listener.core.model import PrefixTransition
-from kv_listener.core.records import RecordEvent
 from kv_listener.core.sse import PING, ControlEvent, encode_control, encode_record_list
 from kv_listener.metrics import StreamView
 
@@ -41,11 +39,6 @@ DEFAULT_PING_INTERVAL_S = 15.0
 # Records joined into one chunk handed to the transport: fewer, larger writes for a consumer
 # that is catching up, without building one huge buffer for a 100k-record replay.
 _CHUNK_RECORDS = 512
-_LABELS = {e: e.value for e in RecordEvent}
-# Per-record work here runs in C: this module is not compiled, and a busy engine makes two
-# records per block (a comprehension or generator over them is a loop of bytecodes).
-_LABEL_OF = _LABELS.__getitem__
-_EVENT_OF = operator.attrgetter("event")
 
 
 class StreamError(Exception):
@@ -86,9 +79,9 @@ class ConsumerEnd(enum.StrEnum):
 
 @dataclass(slots=True)
 class StreamCounters:
-    """Per-backend counters behind /stats and /metrics. Keys are Enum values (metric labels)."""
+    """Per-backend counters behind /stats and /metrics. Keys are Enum values (metric labels).
+    Records written, by event, are the event log's own count (`EventLog.records_written`)."""
 
-    records: Counter[str] = field(default_factory=Counter)  # RecordEvent -> records logged
     resyncs: Counter[str] = field(default_factory=Counter)  # ResyncReason -> streams opened
     resumes: int = 0  # streams opened with a replay from the history
     streams_opened: int = 0
@@ -122,8 +115,6 @@ class BackendStreams:
     def fan_out(self, records: list[Record]) -> None:
         if not records:
             return
-        # label by a dict of the members: `.value` is a Python-level property per record
-        self.counters.records.update(map(_LABEL_OF, map(_EVENT_OF, records)))
         if not self.consumers:
             return  # nobody to encode for (a later consumer replays from the log)
         encoded = encode_record_list(records)
@@ -447,7 +438,7 @@ class StreamHub:
         """What `metrics.ListenerCollector` reads at scrape time."""
         return [
             StreamView(name, clients=len(b.consumers), overflows=b.counters.overflows,
-                       records=dict(b.counters.records))
+                       records=b.log.records_written())
             for name, b in self._backends.items()
         ]
 
@@ -463,7 +454,7 @@ class StreamHub:
                 "prefixes_live": b.log.live_count,
                 "pending_updates": b.log.pending_count,
                 "sse_clients": len(b.consumers),
-                "records": dict(c.records),
+                "records": b.log.records_written(),
                 "resyncs": dict(c.resyncs),
                 "resumes": c.resumes,
                 "streams_opened": c.streams_opened,
