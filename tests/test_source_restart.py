@@ -41,7 +41,7 @@ async def test_crashed_source_restarts_with_backoff_and_a_clear(
                 while not isinstance(rt.source, ZmqSource):
                     await asyncio.sleep(0)  # yield until the restart loop made the real one
                 await rt.source.ready.wait()
-                while hub.backend("vllm-1").counters.records["cache_cleared"] < 2:
+                while hub.backend("vllm-1").log.records_written().get("cache_cleared", 0) < 2:
                     await asyncio.sleep(0)  # the pump publishes the queued clears
         finally:
             await rt.stop()
