@@ -907,3 +907,22 @@ async def test_over_the_real_event_bus_from_a_real_listener_client(
                 with contextlib.suppress(asyncio.CancelledError):
                     await client_task
             hub.close()
+
+
+async def test_a_resync_cancelled_midway_still_leaves_the_source_consumed() -> None:
+    """The router cancels a resync still running when its index changes state again (two
+    outages ridden out in a row during a Redis master's failover). Cancelled while it waits for
+    the old runner to end, the resync must still leave the source a runner: without one the
+    router keeps the backend's lease and never writes it again (suspected in test_many_routers'
+    one failure, 2026-12-04: two routers' reads of one backend stale for 20 s)."""
+    async with ScriptedServer() as server:  # every connection held open
+        applied, sleep = Applied(), FakeSleep()
+        async with manager([source(server.url())], applied, sleep) as m:
+            assert await server.next_request() is None
+            resync = asyncio.create_task(m.resync_all("index_recovered"))
+            await asyncio.sleep(0)  # it took the runner and waits for it to end
+            resync.cancel()
+            await asyncio.gather(resync, return_exceptions=True)
+            assert resync.cancelled()
+            assert await server.next_request() is None  # consumed again, from a resync
+            assert m.stats()[B]["connections"] == 2

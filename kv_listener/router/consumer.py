@@ -327,13 +327,23 @@ class KvEventConsumerManager:
         full resync (`cache_cleared`, then the backend's current prefixes). For an index that
         lost writes: a Redis restarted empty, or removals made while the fallback held them."""
         names = [n for n in self._configs if n in self._runners]
-        await _cancel_all([self._runners.pop(n) for n in names])
-        for name in names:
-            self._states[name].last_event_id = None
-            if self._started:
-                self._spawn(name)
+        try:
+            await _cancel_all([self._runners.pop(n) for n in names])
+        finally:
+            self._respawn(names)
         log.info("kv_consumers_resync", reason=reason, sources=len(names))
         return names
+
+    def _respawn(self, names: Iterable[str]) -> None:
+        """A new runner, from a resync, for each of `names` that has none. Called in a `finally`
+        by whoever took their runners away: the router cancels a resync that a newer index state
+        change supersedes, and a source left without its runner meanwhile would stay unread
+        (with the writer lease: its backend held, and never written again)."""
+        for name in names:
+            if name in self._configs and name not in self._runners:
+                self._states[name].last_event_id = None
+                if self._started:
+                    self._spawn(name)
 
     # --- the writer lease ------------------------------------------------------------------
 
@@ -352,11 +362,10 @@ class KvEventConsumerManager:
         if active:
             # The fallback starts empty: every source, the ones this router writes included,
             # fills it from a resync.
-            await _cancel_all([self._runners.pop(n) for n in list(self._runners)])
-            for name in self._configs:
-                self._states[name].last_event_id = None
-                if self._started and name not in self._runners:
-                    self._spawn(name)
+            try:
+                await _cancel_all([self._runners.pop(n) for n in list(self._runners)])
+            finally:
+                self._respawn(list(self._configs))
             log.info("kv_consumers_consume_all", reason="index_fallback", sources=len(self._runners))
             return
         stopping = [self._runners.pop(n) for n in list(self._runners) if not self._wants_runner(n)]
@@ -367,13 +376,12 @@ class KvEventConsumerManager:
         if self.metrics is not None:
             self.metrics.set_lease_held(name, True)
         runner = self._runners.pop(name, None)
-        if runner is not None:
-            await _cancel_all([runner])
-        if name in self._configs:
+        try:
+            if runner is not None:
+                await _cancel_all([runner])
+        finally:
             # A resync: whatever the previous writer left, the shared index becomes right.
-            self._states[name].last_event_id = None
-            if self._started:
-                self._spawn(name)
+            self._respawn([name])
 
     async def _lease_lost(self, name: str) -> None:
         if self.metrics is not None:
