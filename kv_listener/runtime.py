@@ -44,6 +44,7 @@ from kv_listener.outputs.sse_server import source_stats_entry
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.resolver.detokenize import sibling_url
 from kv_listener.resolver.resolver import ChainResolver
+from kv_listener.sources.common import QueueFeeder
 from kv_listener.sources.liveness import EngineWatch
 from kv_listener.sources.trtllm import TrtllmSource
 from kv_listener.sources.zmq import ZmqSource
@@ -81,6 +82,8 @@ class SourceRuntime:
         self.max_prefix_length = listener.max_prefix_length
         self.stats = SourceStats(engine=cfg.engine.value)
         self.queue: asyncio.Queue[SourceItem] = asyncio.Queue(SOURCE_QUEUE_SIZE)
+        # the one way onto the queue, for every source this runtime makes and its own clears
+        self.feeder = QueueFeeder(self.queue, self.stats, cfg.backend_name)
         self.log = get_logger("kv_listener.source", backend=cfg.backend_name,
                               engine=cfg.engine.value)
         self._salt_secret = salt_secret
@@ -162,8 +165,8 @@ class SourceRuntime:
 
     def _make_source(self) -> ZmqSource | TrtllmSource:
         if self.cfg.engine is Engine.TRTLLM:
-            return TrtllmSource(self.cfg, self.queue, self.stats)
-        return ZmqSource(self.cfg, self.queue, self.stats)
+            return TrtllmSource(self.cfg, self.queue, self.stats, feeder=self.feeder)
+        return ZmqSource(self.cfg, self.queue, self.stats, feeder=self.feeder)
 
     async def _run_source(self) -> None:
         """Run the source; a crash is logged, counted and restarted with backoff, and the
@@ -190,16 +193,15 @@ class SourceRuntime:
             self._put_clear(ClearReason.SOURCE_RESTART)
 
     def _put_clear(self, reason: ClearReason) -> None:
-        # Counted even when the queue is full: the overflow clear that follows covers it.
-        self.stats.cleared(reason.value)
-        with contextlib.suppress(asyncio.QueueFull):
-            self.queue.put_nowait(SourceCleared(reason))
+        # Counted now; a full queue takes it as soon as the pump has made room.
+        self.feeder.put_clear(reason)
 
     # --- the pump: queue -> tracker -> hub -----------------------------------------------------
 
     async def _pump(self) -> None:
         while True:
             item = await self.queue.get()
+            self.feeder.flush()  # there is room now: a clear owed goes in, behind what is queued
             started = time.perf_counter()
             transitions: list[PrefixTransition] = []
             n = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import ctypes
 import dataclasses
 import subprocess
@@ -16,9 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from kv_listener import runtime as runtime_module
 from kv_listener.config import parse_config
 from kv_listener.core.liveness import LivenessChange
-from kv_listener.core.model import AllBlocksCleared, BlockStored, ClearReason, EventBatch, SourceCleared
+from kv_listener.core.model import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ClearReason,
+    EventBatch,
+    SourceCleared,
+)
 from kv_listener.metrics import ListenerCollector, new_registry, render
 from kv_listener.outputs.streams import StreamHub
 from kv_listener.runtime import SourceRuntime
@@ -137,13 +146,58 @@ def test_readiness_entry_of_an_unwatched_source_before_it_attached() -> None:
         "engine_state": "off", "publishers_connected": 0}
 
 
-def test_an_engine_down_clear_is_counted_even_when_the_queue_is_full() -> None:
+async def drain(rt: SourceRuntime) -> None:
+    """Run the pump until it has taken and applied everything queued (bounded)."""
+    pump = asyncio.create_task(rt._pump())
+    try:
+        async with asyncio.timeout(5):
+            while not rt.queue.empty() or rt.stats.queued_tokens:
+                await asyncio.sleep(0)  # yield until the pump took every item
+            for _ in range(10):
+                await asyncio.sleep(0)  # and applied what it took (one wake-up: it never waits)
+    finally:
+        pump.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pump
+
+
+async def test_an_engine_down_clear_is_counted_and_applied_even_when_the_queue_is_full(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The engine died while the tracker was a whole queue behind: nothing more will come from
+    # it, so the clear must be applied once the pump has made room, not lost with the full queue
+    # (the dead engine's prefixes would live on).
+    monkeypatch.setattr(runtime_module, "SOURCE_QUEUE_SIZE", 1)
     rt = runtime()
-    rt.queue = asyncio.Queue(1)
-    rt.queue.put_nowait(SourceCleared(ClearReason.GAP))
+    rt.queue.put_nowait(EventBatch(0.0, (stored(1, 4),), 0, 0))
+    rt.stats.tokens_queued(4)  # as the source's feeder counts what it queues
     rt._on_liveness(LivenessChange.WENT_DOWN, 0.0)
     assert rt.stats.clears == {"engine_down": 1}
     assert rt.readiness() == "engine_down" and rt.queue.qsize() == 1
+    await drain(rt)
+    assert rt.tracker.blocks_tracked == 0 and rt.tracker.clears == 1
+    assert rt.stats.clears == {"engine_down": 1}  # counted once
+    rt.hub.close()
+
+
+async def test_a_batch_dropped_last_clears_the_tracker_once_the_pump_made_room(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The queue is full when a batch (here the engine's removal of block 1) comes, and the engine
+    # then goes quiet: nothing else is ever put. The overflow clear must still reach the
+    # tracker, or block 1's prefix stays announced though the engine freed it.
+    monkeypatch.setattr(runtime_module, "SOURCE_QUEUE_SIZE", 2)
+    rt = runtime()
+    assert rt.feeder.put(EventBatch(0.0, (stored(1, 4),), 0, 0))
+    assert rt.feeder.put(EventBatch(0.0, (stored(2, 4),), 0, 1))
+    assert not rt.feeder.put(EventBatch(0.0, (BlockRemoved(block_hashes=(1,)),), 0, 2))
+    assert rt.stats.events_dropped == {"queue_overflow": 1}
+    await drain(rt)
+    assert rt.tracker.blocks_tracked == 0 and rt.tracker.clears == 1
+    assert rt.stats.clears == {"overflow": 1}
+    # and the next batch follows the clear, as from a fresh start
+    assert rt.feeder.put(EventBatch(0.0, (stored(3, 4),), 0, 3))
+    await drain(rt)
+    assert rt.tracker.blocks_tracked == 1 and rt.stats.clears == {"overflow": 1}
+    rt.hub.close()
 
 
 async def test_the_pump_gives_back_the_tokens_it_takes_and_counts_engine_clears() -> None:

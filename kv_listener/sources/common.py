@@ -4,7 +4,8 @@
 consumer (`put_nowait`); when the queue is full (in batches, or in the token IDs its batches hold:
 `MAX_QUEUED_TOKENS`, counted in `stats.queued_tokens`, which the runtime's pump lowers with
 `batch_tokens` as it takes them) the item is dropped and counted, and once there is room again a
-`SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent.
+`SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent: the pump makes
+the room and calls `QueueFeeder.flush`, so the clear goes in even when no item follows.
 
 `PublisherAllowList` answers "may this peer address publish to this source?" for the entries of
 `allowed_publishers`: IP addresses, CIDR networks, and host names (resolved with the event loop's
@@ -38,9 +39,14 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class QueueFeeder:
-    """Puts a source's items on its bounded queue without ever blocking (see module doc)."""
+    """Puts a source's items on its bounded queue without ever blocking (see module doc).
 
-    __slots__ = ("_backend", "_max_tokens", "_overflowed", "_queue", "_stats")
+    One per source runtime, shared by the source (and the sources that replace it after a
+    crash) and the runtime's own clears; the pump calls `flush` each time it takes items, so a
+    clear the full queue could not take goes in as soon as there is room, even when nothing is
+    put after it (an engine that went quiet or died right after the loss)."""
+
+    __slots__ = ("_backend", "_max_tokens", "_pending", "_pending_counted", "_queue", "_stats")
 
     def __init__(self, queue: asyncio.Queue[SourceItem], stats: SourceStats, backend: str,
                  max_tokens: int = MAX_QUEUED_TOKENS) -> None:
@@ -48,32 +54,28 @@ class QueueFeeder:
         self._stats = stats
         self._backend = backend
         self._max_tokens = max_tokens
-        self._overflowed = False
+        #: the clear the queue owes the tracker (None: none); a later loss is covered by it
+        self._pending: ClearReason | None = None
+        self._pending_counted = False  # its reason is already in stats.clears
 
     @property
     def overflowed(self) -> bool:
-        """True while items are being dropped and the overflow clear is not yet queued."""
-        return self._overflowed
+        """True while a clear is owed: items are being dropped until it is queued."""
+        return self._pending is not None
 
     def put(self, item: SourceItem) -> bool:
-        """Queue `item` (after the pending overflow clear, if any). False when it was dropped."""
+        """Queue `item` (after the pending clear, if any). False when it was dropped."""
         stats = self._stats
-        if self._overflowed:
-            try:
-                self._queue.put_nowait(SourceCleared(ClearReason.OVERFLOW))
-            except asyncio.QueueFull:
-                self._drop(item)
-                return False
-            self._overflowed = False
-            stats.cleared(ClearReason.OVERFLOW.value)
-            log.warning("source_overflow_cleared", backend=self._backend)
+        if not self.flush():
+            self._drop(item)
+            return False
         n = batch_tokens(item)
         try:
             if n and stats.queued_tokens and stats.queued_tokens + n > self._max_tokens:
                 raise asyncio.QueueFull
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
-            self._overflowed = True
+            self._owe(ClearReason.OVERFLOW, counted=False)
             log.warning("source_queue_full", backend=self._backend, maxsize=self._queue.maxsize,
                         queued_tokens=stats.queued_tokens)
             self._drop(item)
@@ -83,8 +85,41 @@ class QueueFeeder:
             stats.cleared(item.reason.value)
         return True
 
+    def put_clear(self, reason: ClearReason) -> None:
+        """A clear decided outside the source (its engine down, the source restarted): counted
+        now; queued now, or by `flush` as soon as the queue has room."""
+        self._stats.cleared(reason.value)
+        if self._pending is None:
+            try:
+                self._queue.put_nowait(SourceCleared(reason))
+                return
+            except asyncio.QueueFull:
+                pass
+        self._owe(reason, counted=True)
+
+    def flush(self) -> bool:
+        """Queue the clear owed, if there is room. True when no clear is owed any more."""
+        reason = self._pending
+        if reason is None:
+            return True
+        try:
+            self._queue.put_nowait(SourceCleared(reason))
+        except asyncio.QueueFull:
+            return False
+        if not self._pending_counted:
+            self._stats.cleared(reason.value)
+        self._pending = None
+        if reason is ClearReason.OVERFLOW:
+            log.warning("source_overflow_cleared", backend=self._backend)
+        return True
+
+    def _owe(self, reason: ClearReason, *, counted: bool) -> None:
+        # One clear covers every loss before it: the first reason owed is the one queued.
+        if self._pending is None:
+            self._pending, self._pending_counted = reason, counted
+
     def _drop(self, item: SourceItem) -> None:
-        # A dropped SourceCleared needs no count of its own: the overflow clear supersedes it.
+        # A dropped SourceCleared needs no count of its own: the clear owed supersedes it.
         if isinstance(item, EventBatch):
             self._stats.dropped(SourceDropReason.QUEUE_OVERFLOW.value, max(1, len(item.events)))
 

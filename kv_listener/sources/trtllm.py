@@ -110,7 +110,7 @@ class TrtllmSource:
 
     def __init__(self, config: SourceConfig, queue: asyncio.Queue[SourceItem], stats: SourceStats,
                  *, request_timeout_s: float = 10.0, max_backoff_s: float = 30.0,
-                 max_body_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_body_bytes: int = 64 * 1024 * 1024, feeder: QueueFeeder | None = None) -> None:
         if config.engine is not Engine.TRTLLM:
             raise ValueError(f"{config.backend_name}: TrtllmSource is for trtllm, not {config.engine}")
         if config.trtllm_endpoint is None:
@@ -128,7 +128,7 @@ class TrtllmSource:
         self._url = config.trtllm_endpoint
         # user:password@ never goes to a log line
         self._logged_url = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-        self._feeder = QueueFeeder(queue, stats, config.backend_name)
+        self._feeder = feeder if feeder is not None else QueueFeeder(queue, stats, config.backend_name)
         self._stream = TrtllmEventStream()
         self._allow = PublisherAllowList(config.allowed_publishers)
         self._request_timeout_s = request_timeout_s

@@ -130,12 +130,13 @@ class ZmqSource:
 
     Optional knobs: `replay_timeout_s` bounds a whole replay (request to end marker);
     `max_replay_backlog` bounds the live batches kept while a replay is in flight;
-    `rcvhwm` is the SUB socket's high-water mark.
+    `rcvhwm` is the SUB socket's high-water mark; `feeder` the queue's feeder when its owner
+    (the source runtime) shares one (else one of its own on `queue`).
     """
 
     def __init__(self, config: SourceConfig, queue: asyncio.Queue[SourceItem], stats: SourceStats,
                  *, replay_timeout_s: float = 5.0, max_replay_backlog: int = 4096,
-                 rcvhwm: int = 100_000) -> None:
+                 rcvhwm: int = 100_000, feeder: QueueFeeder | None = None) -> None:
         if config.engine not in (Engine.VLLM, Engine.SGLANG):
             raise ValueError(f"{config.backend_name}: ZmqSource is for vllm/sglang, not {config.engine}")
         if config.zmq_endpoint is None:
@@ -145,7 +146,7 @@ class ZmqSource:
         self.config = config
         self.stats = stats
         self._queue = queue
-        self._feeder = QueueFeeder(queue, stats, config.backend_name)
+        self._feeder = feeder if feeder is not None else QueueFeeder(queue, stats, config.backend_name)
         self._seq = SequenceTracker()
         self._new_stream = False  # set by expect_new_stream, applied at the next live batch
         self._replay_timeout_s = replay_timeout_s
