@@ -24,7 +24,10 @@ shared machine hits both alike. Feeding both from one PUB at once was rejected: 
 two consumers and the publisher would fight for CPU and each figure would depend on the other.
 A phase is published in one burst (the publisher's high-water mark of 100,000 messages and our
 source's queue of 10,000 batches / 4 Mi tokens hold a whole phase: nothing drops, which the
-checks confirm), so each consumer always has a backlog and the figure is its capacity:
+checks confirm), so each consumer always has a backlog and the figure is its capacity. A phase
+beyond our queue (`--timed 600000`: 12,000 frames, 9.6 M token IDs) makes the daemon drop and
+clear, as it should; the run then stops at once with exit 1 and says so (`!! rep N ours: ...`)
+instead of waiting for a block that cannot come:
 
 - blocks/s: timed blocks / (first frame published -> the consumer applied the last one). Applied
   = the phase's marker block is there (Dynamo: `POST /query` with its tokens every 5 ms, the
@@ -80,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import msgpack
 import peer_routers as pr
 from decode import rate
-from peers_consumers import Dynamo, Ours
+from peers_consumers import Dynamo, Ours, StreamEnded
 from peers_workloads import (
     BACKEND,
     MODEL,
@@ -262,7 +265,10 @@ async def run_throughput(bench: Bench, stream: Stream, kinds: Sequence[str],
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     for rep in range(reps):
         for kind in order(rep, kinds):
-            r = await bench.throughput(kind, stream)
+            try:
+                r = await bench.throughput(kind, stream)
+            except StreamEnded as e:
+                raise BenchStopped(f"rep {rep + 1} {kind}: {e}") from None
             runs[kind].append(r)
             print(f"  rep {rep + 1} {kind:<7} {r['blocks_per_s']:>10,.0f} blocks/s "
                   f"{r['cpu_ms_per_1k']:>7.1f} CPU ms/1k {r['rss_mib']:>7.1f} MiB "
@@ -369,6 +375,33 @@ def run_floors(stream: Stream, seconds: float, reps: int) -> dict[str, Any]:
     return out
 
 
+class BenchStopped(Exception):
+    """A run that cannot give a figure (what it waits for cannot come): said, exit 1."""
+
+
+async def run_workloads(bench: Bench, chosen: set[str], streams: dict[str, Stream],
+                        kinds: Sequence[str], dynamo_label: str, doc: dict[str, Any],
+                        tokenizer: Any) -> None:
+    for name in ("salted", "chat"):
+        if name in chosen:
+            doc[name] = await run_throughput(bench, streams[name], kinds, dynamo_label)
+    if "resolver" in chosen:
+        from kv_listener.resolver.template import DEMO_TOKENIZER_DIR  # noqa: PLC0415
+        from kv_listener.sim.detokenize_server import (  # noqa: PLC0415
+            DetokenizeServer,
+            tokenizer_info,
+        )
+
+        async with DetokenizeServer(tokenizer, info=tokenizer_info(DEMO_TOKENIZER_DIR)) as srv:
+            bench.detokenize_url = srv.url
+            doc["resolver"] = await run_throughput(bench, streams["resolver"], ["ours"],
+                                                   dynamo_label)
+            doc["resolver"]["detokenize_answered"] = srv.answered
+    if "memory" in chosen:
+        doc["memory"] = {str(n): await run_memory(bench, kinds, dynamo_label, n)
+                         for n in bench.args.mem_chains}
+
+
 async def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     install: pr.PeerInstall | None = None
@@ -397,6 +430,7 @@ async def run(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     salted = salted_chains(args.live, args.timed, args.per_frame)
     streams: dict[str, Stream] = {"salted": salted}
+    tokenizer: Any = None
     if chosen & {"chat", "resolver"}:
         from kv_listener.resolver.template import DEMO_TOKENIZER_DIR, load_tokenizer  # noqa: PLC0415
 
@@ -405,24 +439,12 @@ async def run(args: argparse.Namespace) -> int:
             tokenizer, pool_blocks=args.chat_pool, timed=args.chat_timed, prompts=args.prompts)
     print(f"frames built in {time.perf_counter() - t:.1f} s", flush=True)
     with tempfile.TemporaryDirectory(prefix="kv-peers-bench-") as tmp:
-        bench = Bench(args, install, Path(tmp))
-        for name in ("salted", "chat"):
-            if name in chosen:
-                doc[name] = await run_throughput(bench, streams[name], kinds, dynamo_label)
-        if "resolver" in chosen:
-            from kv_listener.sim.detokenize_server import (  # noqa: PLC0415
-                DetokenizeServer,
-                tokenizer_info,
-            )
-
-            async with DetokenizeServer(tokenizer, info=tokenizer_info(DEMO_TOKENIZER_DIR)) as srv:
-                bench.detokenize_url = srv.url
-                doc["resolver"] = await run_throughput(bench, streams["resolver"], ["ours"],
-                                                       dynamo_label)
-                doc["resolver"]["detokenize_answered"] = srv.answered
-        if "memory" in chosen:
-            doc["memory"] = {str(n): await run_memory(bench, kinds, dynamo_label, n)
-                             for n in args.mem_chains}
+        try:
+            await run_workloads(Bench(args, install, Path(tmp)), chosen, streams, kinds,
+                                dynamo_label, doc, tokenizer)
+        except BenchStopped as e:
+            print(f"  !! {e}", flush=True)
+            return 1
     if "floors" in chosen:
         doc["floors"] = run_floors(salted, args.floor_seconds, args.reps)
     elapsed = time.perf_counter() - started

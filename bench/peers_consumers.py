@@ -18,7 +18,9 @@
   one vLLM source whose SUB connects to the publisher. With `sse=True` one client reads
   `GET /events/vllm-1` (the daemon's output, as a router would) and `applied()` is the arrival of
   the marker's `cache_created` there (the bench scans bytes for the marker's prefix hash and
-  for `buffer_overflow`, so its own CPU stays low). Without SSE (the memory runs), `applied()`
+  for `buffer_overflow`, so its own CPU stays low); it raises `StreamEnded` at once when the
+  marker cannot come any more (the stream ended, the daemon exited, or it cleared the backend
+  meanwhile: a burst beyond its source queue). Without SSE (the memory runs), `applied()`
   polls `/stats` until `blocks_tracked` reaches a count. `settled()` polls `/stats` until no chain
   waits for `/detokenize` (the resolver path). `checks()` reads its `/stats`: gaps, drops, clears.
 """
@@ -30,6 +32,7 @@ import contextlib
 import os
 import re
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -212,6 +215,21 @@ class Dynamo:
         return {"events_applied": applied, "queries": self.polls}
 
 
+_CLEARED = b"event: cache_cleared"
+
+
+def exit_code(proc: subprocess.Popen[str], wait_s: float) -> int | None:
+    """`proc`'s exit code, waiting up to `wait_s` for it; None if it still runs."""
+    try:
+        return proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+class StreamEnded(RuntimeError):
+    """Our daemon's SSE stream ended before the record a run waits for."""
+
+
 class Ours:
     name = "ours"
 
@@ -243,6 +261,9 @@ class Ours:
         self._want: bytes | None = None
         self._seen_at: float | None = None
         self._seen = asyncio.Event()
+        self._lost = asyncio.Event()
+        self._clears = 0  # cache_cleared records read
+        self._clears_before = 1
 
     @property
     def pid(self) -> int:
@@ -291,6 +312,9 @@ class Ours:
                 self._seen.set()
             if b"buffer_overflow" in buf:
                 self.overflow = True
+            self._clears += buf.count(_CLEARED) - tail.count(_CLEARED)
+            if self._want is not None and self._clears > self._clears_before:
+                self._lost.set()  # a clear while a phase is under way: its blocks are not all there
             tail = buf[-100:]
 
     def cpu_s(self) -> float:
@@ -302,14 +326,48 @@ class Ours:
     def expect(self, marker: Marker) -> None:
         assert self.sse, "expect/applied need the SSE client"
         self._seen.clear()
+        self._lost.clear()
+        # the stream opens with a cache_cleared (the resync of a new client), maybe not read yet
+        self._clears_before = max(self._clears, 1)
         self._seen_at = None
         self._want = marker.prefix_hash.encode()
 
     async def applied(self, timeout_s: float = 300.0) -> float:
-        async with asyncio.timeout(timeout_s):
-            await self._seen.wait()
-        assert self._seen_at is not None
+        """When the marker's `cache_created` arrived. Raises `StreamEnded` as soon as it cannot
+        come any more: the SSE stream ended (the daemon ended it with `buffer_overflow`, or
+        exited), or the daemon cleared the backend meanwhile (its source queue overflowed and
+        dropped batches); waiting out `timeout_s` would only hide why."""
+        assert self._reader is not None
+        seen = asyncio.ensure_future(self._seen.wait())
+        lost = asyncio.ensure_future(self._lost.wait())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.wait((seen, lost, self._reader), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            seen.cancel()
+            lost.cancel()
+        if self._seen_at is None:
+            raise StreamEnded(await self._why_ended())
         return self._seen_at
+
+    async def _why_ended(self) -> str:
+        assert self._reader is not None and self.daemon.proc is not None
+        if self._lost.is_set():
+            return ("our daemon cleared the backend during the phase (cache_cleared): its source "
+                    "queue overflowed and dropped batches. A burst this large outruns the queue "
+                    "(10,000 batches or 4 Mi token IDs, never blocking the engine): use a "
+                    "smaller --timed.")
+        if self.overflow:
+            return (f"our daemon ended its SSE stream with buffer_overflow: the client fell "
+                    f"max_lag ({self.config['max_lag']:,}) records behind. A burst this large "
+                    f"outruns what the daemon holds for one client: use a smaller --timed.")
+        # a process killed closes its sockets before it can be reaped: give it a moment
+        rc = await asyncio.to_thread(exit_code, self.daemon.proc, 2.0)
+        if rc is not None:
+            return f"our daemon exited (code {rc}) before the phase's last block was applied"
+        error = None if self._reader.cancelled() else self._reader.exception()
+        return ("our daemon's SSE stream ended before the phase's last block was applied"
+                + (f" ({type(error).__name__}: {error})" if error is not None else ""))
 
     async def stats(self) -> dict[str, Any]:
         assert self.http is not None
