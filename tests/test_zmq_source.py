@@ -107,7 +107,7 @@ class Connected(NamedTuple):
 
 @contextlib.asynccontextmanager
 async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
-                    publisher: dict[str, Any] | None = None,
+                    max_replay_backlog: int = 4096, publisher: dict[str, Any] | None = None,
                     **overrides: Any) -> AsyncIterator[Connected]:
     """A publisher bound on a free port (with a replay endpoint if `replay`), a vLLM source
     connected to it, ready, subscribed and (with `replay`) past its start-up replay (answered
@@ -119,7 +119,8 @@ async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
         queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
         stats = SourceStats(engine="vllm")
         source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect", **overrides),
-                           queue, stats, replay_timeout_s=replay_timeout_s)
+                           queue, stats, replay_timeout_s=replay_timeout_s,
+                           max_replay_backlog=max_replay_backlog)
         async with running(source):
             assert stats.ready
             await pub.wait_for_subscriber()
@@ -299,6 +300,28 @@ async def test_replay_timeout_clears_keeps_live_batches_and_recovers() -> None:
     assert [hashes(b) for b in after] == [[6], [7]]
     assert pub.replay_requests == [0, 1, 5]  # the start-up replay, then the gaps
     assert (stats.gaps, stats.replays, stats.replay_failures) == (2, 1, 1)
+
+
+async def test_batches_lost_beyond_the_replay_backlog_are_noticed_without_a_later_batch() -> None:
+    # Live batches beyond max_replay_backlog during a replay are dropped. The engine then goes
+    # quiet: no later batch will show the gap they leave, so the backlog must end with the newest
+    # batch seen, whose seq shows it (else batches 5 and 6 are missing with no clear, for good).
+    async with connected(replay=True, replay_timeout_s=0.3, max_replay_backlog=2,
+                         publisher={"replay_layout": "no_topic"}) as (pub, queue, stats, _):
+        pub.replay_enabled = False  # a hung engine: each replay times out and clears
+        pub.publish(payload(1))
+        pub.drop_next(1)
+        pub.publish(payload(2))  # seq 1, lost on the wire
+        pub.publish(payload(3))  # seq 2 reveals the gap: a replay starts
+        await pub.wait_for_replay_requests(2)  # the start-up replay, then this one
+        for h in (4, 5, 6, 7):
+            pub.publish(payload(h))  # seqs 3-6 during the replay: a backlog of 2 keeps 3, 6
+        items = [await get(queue) for _ in range(6)]
+    assert [i.seq if isinstance(i, EventBatch) else i for i in items] == [
+        0, SourceCleared(ClearReason.GAP), 2, 3, SourceCleared(ClearReason.GAP), 6]
+    assert stats.events_dropped == {"replay_backlog_overflow": 2}
+    assert (stats.gaps, stats.replay_failures) == (2, 2)
+    assert stats.clears == {"gap": 2}
 
 
 async def test_engine_restart_clears_then_applies_the_new_batch() -> None:

@@ -531,7 +531,10 @@ class ZmqSource:
                     if len(self._backlog) < self._max_backlog:
                         self._backlog.append(frames)
                     else:
-                        # Lost like a high-water-mark drop: the next batch shows a gap again.
+                        # Lost like a high-water-mark drop, but the newest batch takes the last
+                        # place: the backlog ends with it, so its seq shows the gap even when
+                        # the engine sends nothing more (a lost tail would go unnoticed).
+                        self._backlog[-1] = frames
                         self.stats.dropped(SourceDropReason.REPLAY_BACKLOG_OVERFLOW.value)
                 if send_fut is not None and send_fut in done:
                     send_fut.result()
