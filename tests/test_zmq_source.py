@@ -107,7 +107,8 @@ class Connected(NamedTuple):
 
 @contextlib.asynccontextmanager
 async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
-                    max_replay_backlog: int = 4096, publisher: dict[str, Any] | None = None,
+                    max_replay_backlog: int = 4096, tail_probe_s: float = 60.0,
+                    publisher: dict[str, Any] | None = None,
                     **overrides: Any) -> AsyncIterator[Connected]:
     """A publisher bound on a free port (with a replay endpoint if `replay`), a vLLM source
     connected to it, ready, subscribed and (with `replay`) past its start-up replay (answered
@@ -120,7 +121,7 @@ async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
         stats = SourceStats(engine="vllm")
         source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect", **overrides),
                            queue, stats, replay_timeout_s=replay_timeout_s,
-                           max_replay_backlog=max_replay_backlog)
+                           max_replay_backlog=max_replay_backlog, tail_probe_s=tail_probe_s)
         async with running(source):
             assert stats.ready
             await pub.wait_for_subscriber()
@@ -209,7 +210,7 @@ async def test_gap_is_filled_by_replay_in_order(layout: str, mode: str) -> None:
         stats = SourceStats(engine="vllm")
         cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode=mode,
                      zmq_endpoint=pub.endpoint if mode == "connect" else "tcp://127.0.0.1:0")
-        source = ZmqSource(cfg, queue, stats)
+        source = ZmqSource(cfg, queue, stats, tail_probe_s=60.0)  # no probe in this test
         async with running(source):
             if mode == "bind":
                 assert source.endpoint is not None
@@ -322,6 +323,60 @@ async def test_batches_lost_beyond_the_replay_backlog_are_noticed_without_a_late
     assert stats.events_dropped == {"replay_backlog_overflow": 2}
     assert (stats.gaps, stats.replay_failures) == (2, 2)
     assert stats.clears == {"gap": 2}
+
+
+async def test_batches_lost_right_before_the_engine_went_quiet_come_from_its_replay() -> None:
+    # The last two batches were lost on the wire (a high-water mark, a reconnect) and the engine
+    # then publishes nothing: no later seq shows the gap. After tail_probe_s of silence the
+    # source asks the replay buffer once for what follows its last batch.
+    async with connected(replay=True, tail_probe_s=0.2) as (pub, queue, stats, _):
+        pub.publish(payload(1))
+        assert (await get_batch(queue)).seq == 0
+        pub.drop_next(2)
+        pub.publish(payload(2))
+        pub.publish(payload(3))
+        got = [await get_batch(queue) for _ in range(2)]
+        assert [(b.seq, hashes(b)) for b in got] == [(1, [2]), (2, [3])]
+        assert pub.replay_requests[-1] == 1  # the probe (after the start-up replay, from 0)
+        assert (stats.gaps, stats.replays) == (1, 1) and not stats.clears
+        # the stream goes on from there: the next batch is in order, not a restart
+        pub.publish(payload(4))
+        assert (await get_batch(queue)).seq == 3
+        assert not stats.clears and queue.empty()
+
+
+async def requested(pub: SimPublisher, start: int) -> None:
+    """Until the publisher got a replay request from `start` (bounded)."""
+    async with asyncio.timeout(TIMEOUT):
+        while start not in pub.replay_requests:
+            await pub.wait_for_replay_requests(len(pub.replay_requests) + 1)
+
+
+async def test_a_quiet_engine_that_lost_nothing_is_asked_once_per_silence() -> None:
+    async with connected(replay=True, tail_probe_s=0.1) as (pub, queue, stats, _):
+        pub.publish(payload(1))
+        assert (await get_batch(queue)).seq == 0
+        await requested(pub, 1)  # the probe, answered with nothing after seq 0
+        pub.publish(payload(2))
+        assert (await get_batch(queue)).seq == 1
+        await requested(pub, 2)  # a new silence, a new probe
+        assert pub.replay_requests.count(1) == 1  # not one per tail_probe_s
+        assert (stats.gaps, stats.replays, stats.replay_failures) == (0, 0, 0)
+        assert not stats.clears and queue.empty()
+
+
+async def test_a_probe_finding_the_buffer_moved_on_clears_then_applies_what_it_holds() -> None:
+    async with connected(replay=True, tail_probe_s=0.2,
+                         publisher={"buffer_steps": 2}) as (pub, queue, stats, _):
+        pub.publish(payload(1))
+        assert (await get_batch(queue)).seq == 0
+        pub.drop_next(3)
+        for h in (2, 3, 4):
+            pub.publish(payload(h))  # seqs 1-3 lost; the buffer keeps only the last 2: 2, 3
+        items = [await get(queue) for _ in range(3)]
+    assert items[0] == SourceCleared(ClearReason.GAP)
+    assert [(b.seq, hashes(b)) for b in items[1:] if isinstance(b, EventBatch)] == [(2, [3]), (3, [4])]
+    assert stats.clears == {"gap": 1} and stats.gaps == 1
 
 
 async def test_engine_restart_clears_then_applies_the_new_batch() -> None:

@@ -13,14 +13,10 @@ its reason and skipped. The sequence logic is `core.sequence.SequenceTracker`. O
 `replay_endpoint`, a DEALER sends `[b"", start_seq]` and reads replies in either layout until the
 end marker; live batches arriving meanwhile are kept (bounded) and processed after the replay.
 A replay that times out is abandoned with its DEALER (late replies must not be mistaken for the
-next replay's).
+next replay's). A batch lost right before the engine goes quiet shows no gap, so after
+`TAIL_PROBE_S` without a batch the replay buffer is asked once for what follows the last one.
 
-Peers: ZAP (`zmq.auth`, asyncio) checks every TCP peer of the SUB socket against
-`allowed_publishers` (IPs, CIDR networks, host names); refused peers are counted in
-`refused_publishers` and logged once per address. The authenticator is per zmq Context, so each
-source has its own Context: many sources run in one process. The replay DEALER connects to an
-endpoint the operator configured and is not ZAP-checked; ipc:// and inproc:// peers are local
-processes (protected by file permissions) and have no address to check.
+Peers (who may publish, whether one is connected) are `sources.zmq_peers`'.
 
 Receiving never waits for downstream work: items go on the bounded queue with `put_nowait`
 (`QueueFeeder`): a full queue drops and counts, then queues `SourceCleared(overflow)`.
@@ -29,9 +25,6 @@ Receiving never waits for downstream work: items go on the bounded queue with `p
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import operator
 import time
 from collections import deque
 from typing import Any
@@ -39,8 +32,6 @@ from typing import Any
 import structlog
 import zmq
 import zmq.asyncio
-from zmq.auth.asyncio import AsyncioAuthenticator
-from zmq.utils.monitor import parse_monitor_message
 
 from kv_listener.backoff import Backoff
 from kv_listener.config import SourceConfig
@@ -58,15 +49,18 @@ from kv_listener.core.sequence import (
     parse_replay_frames,
     replay_request,
 )
-from kv_listener.sources.common import PublisherAllowList, QueueFeeder, parse_address
+from kv_listener.sources.common import PublisherAllowList, QueueFeeder
+from kv_listener.sources.zmq_peers import (
+    MONITORED,
+    ZAP_DOMAIN,
+    AllowListAuthenticator,
+    wants_ipv6,
+    watch_connection,
+)
 from kv_listener.stats import SourceStats
 
 log = structlog.get_logger(__name__)
 
-#: ZAP domain set on the SUB socket: libzmq >= 4.3 runs ZAP for the NULL mechanism only on
-#: sockets that have a domain.
-ZAP_DOMAIN = b"continuum-kv-listener"
-_MAX_LOGGED_PEERS = 1024
 #: Retries of a bind/connect that failed: from the first delay, doubling up to the second.
 _BIND_RETRY_S = 0.5
 _BIND_RETRY_MAX_S = 30.0
@@ -76,50 +70,11 @@ _THREAD_DECODE_BYTES = 64 << 10
 #: (ZMQ_MAXMSGSIZE): frames between the two are dropped and counted, frames above it are never
 #: read whole into memory, so one message costs at most this much while it is received.
 SOCKET_CAP_FACTOR = 2
-#: Pause before a connecting SUB connects again after libzmq dropped its connection.
-_RECONNECT_DELAY_S = 0.1
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                     zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_MONITORED = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-              | zmq.EVENT_DISCONNECTED | functools.reduce(operator.or_, _HANDSHAKE_FAILED))
 #: `_replay`'s upper bound when the whole buffer is wanted (start-up).
 _ALL_SEQS = 1 << 63
-
-
-class _AllowListAuthenticator(AsyncioAuthenticator):
-    """ZAP handler that checks the peer address against `PublisherAllowList` (IPs, CIDR
-    networks, host names); zmq.auth's own allow-list is exact IP strings only."""
-
-    def __init__(self, context: zmq.asyncio.Context, allow: PublisherAllowList, stats: SourceStats,
-                 backend: str, on_refused: asyncio.Event) -> None:
-        super().__init__(context)
-        self._allow = allow
-        self._stats = stats
-        self._backend = backend
-        self._on_refused = on_refused
-        self._logged: set[str] = set()
-
-    async def handle_zap_message(self, msg: list[bytes]) -> None:
-        if len(msg) < 6:
-            if len(msg) >= 2:
-                self._send_zap_reply(msg[1], b"400", b"Not enough frames")
-            return
-        version, request_id, _domain, address_b, _identity, _mechanism = msg[:6]
-        if version != b"1.0":
-            self._send_zap_reply(request_id, b"400", b"Invalid version")
-            return
-        raw = address_b.decode("utf-8", "replace")
-        parsed = parse_address(raw)
-        address = str(parsed) if parsed is not None else raw
-        if await self._allow.check(address):
-            self._send_zap_reply(request_id, b"200", b"OK", "anonymous")
-            return
-        self._stats.publisher_refused()
-        if address not in self._logged and len(self._logged) < _MAX_LOGGED_PEERS:
-            self._logged.add(address)
-            log.warning("zmq_publisher_refused", backend=self._backend, peer=address)
-        self._send_zap_reply(request_id, b"400", b"Address not allowed")
-        self._on_refused.set()
+#: Silence after which a source with a replay endpoint asks the engine once for what follows its
+#: last batch (`ZmqSource._probe_tail`).
+TAIL_PROBE_S = 2.0
 
 
 class ZmqSource:
@@ -131,12 +86,14 @@ class ZmqSource:
     Optional knobs: `replay_timeout_s` bounds a whole replay (request to end marker);
     `max_replay_backlog` bounds the live batches kept while a replay is in flight;
     `rcvhwm` is the SUB socket's high-water mark; `feeder` the queue's feeder when its owner
-    (the source runtime) shares one (else one of its own on `queue`).
+    (the source runtime) shares one (else one of its own on `queue`); `tail_probe_s` the silence
+    after which the replay buffer is asked for batches lost right before it (`_probe_tail`).
     """
 
     def __init__(self, config: SourceConfig, queue: asyncio.Queue[SourceItem], stats: SourceStats,
                  *, replay_timeout_s: float = 5.0, max_replay_backlog: int = 4096,
-                 rcvhwm: int = 100_000, feeder: QueueFeeder | None = None) -> None:
+                 rcvhwm: int = 100_000, feeder: QueueFeeder | None = None,
+                 tail_probe_s: float = TAIL_PROBE_S) -> None:
         if config.engine not in (Engine.VLLM, Engine.SGLANG):
             raise ValueError(f"{config.backend_name}: ZmqSource is for vllm/sglang, not {config.engine}")
         if config.zmq_endpoint is None:
@@ -153,6 +110,8 @@ class ZmqSource:
         self._max_backlog = max_replay_backlog
         self._rcvhwm = rcvhwm
         self._backlog: deque[list[bytes]] = deque()
+        self._tail_probe_s = tail_probe_s
+        self._tail_probed = False  # since the last live batch
         self._live_fut: asyncio.Future[list[bytes]] | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._ctx: zmq.asyncio.Context | None = None
@@ -177,27 +136,29 @@ class ZmqSource:
     async def run(self) -> None:
         ctx = zmq.asyncio.Context()
         self._ctx = ctx
-        auth: _AllowListAuthenticator | None = None
+        auth: AllowListAuthenticator | None = None
         sub: zmq.asyncio.Socket | None = None
         monitor: asyncio.Task[None] | None = None
         try:
             if self._uses_zap:
                 allow = PublisherAllowList(self.config.allowed_publishers)
                 await allow.refresh()
-                auth = _AllowListAuthenticator(ctx, allow, self.stats, self.config.backend_name,
+                auth = AllowListAuthenticator(ctx, allow, self.stats, self.config.backend_name,
                                                self.peer_refused)
                 auth.start()
             sub = ctx.socket(zmq.SUB)
             sub.linger = 0
             sub.rcvhwm = self._rcvhwm
-            sub.ipv6 = _wants_ipv6(self.config.zmq_endpoint or "")
+            sub.ipv6 = wants_ipv6(self.config.zmq_endpoint or "")
             if auth is not None:
                 sub.zap_domain = ZAP_DOMAIN
             sub.maxmsgsize = self._socket_cap
             sub.setsockopt(zmq.SUBSCRIBE, self.config.zmq_topic.encode("utf-8"))
             # Monitored before it attaches, so that no handshake is missed.
-            mon = sub.get_monitor_socket(_MONITORED)
-            monitor = asyncio.create_task(self._watch_connection(sub, mon))
+            mon = sub.get_monitor_socket(MONITORED)
+            monitor = asyncio.create_task(watch_connection(
+                sub, mon, stats=self.stats, log=self._log, mode=self.config.zmq_mode,
+                endpoint=lambda: self.endpoint, max_frame_bytes=self._socket_cap))
             await self._attach(sub)
             if self.config.replay_endpoint is not None:
                 self._dealer = self._new_dealer()
@@ -207,7 +168,14 @@ class ZmqSource:
             if self._dealer is not None:
                 await self._startup_replay(sub, self._dealer)
             while True:
-                frames = self._backlog.popleft() if self._backlog else await self._recv_live(sub)
+                if self._backlog:
+                    frames = self._backlog.popleft()
+                else:
+                    got = await self._next_live(sub)
+                    if got is None:
+                        await self._probe_tail(sub)
+                        continue
+                    frames = got
                 await self._handle(sub, frames)
         finally:
             self.stats.attached(False)
@@ -257,63 +225,6 @@ class ZmqSource:
     def _socket_cap(self) -> int:
         return self.config.limits.max_message_bytes * SOCKET_CAP_FACTOR
 
-    async def _watch_connection(self, sub: zmq.asyncio.Socket, mon: zmq.asyncio.Socket) -> None:
-        """Counts the engine's connections (`publishers_connected`: handshakes done and not
-        lost yet: what per-source readiness asks for) and lost ones, and, for a connecting SUB,
-        connects again.
-
-        libzmq reconnects by itself after a network error, but not after a protocol error, and a
-        frame over ZMQ_MAXMSGSIZE is one (libzmq 4.3 `session_base_t::engine_error` terminates
-        the session): without this one hostile frame would silence the source for good. The
-        batches lost meanwhile show as a sequence gap, filled from the replay buffer or cleared.
-        A bound SUB needs nothing: the engine's PUB connects again itself."""
-        # libzmq names a connection by its file descriptor on ACCEPTED / CONNECTED and
-        # DISCONNECTED, but HANDSHAKE_* events carry no descriptor: a handshake's outcome is
-        # taken as that of the oldest connection still shaking hands. Handshakes finishing out
-        # of order can only mislabel which of two connections got through, for as long as both
-        # are up; the counts of handshakes and disconnects stay right.
-        shaking: list[int] = []
-        peers: set[int] = set()
-        try:
-            while True:
-                frames = await mon.recv_multipart()
-                event = parse_monitor_message(frames)
-                kind, fd = event["event"], int(event["value"])
-                if kind in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
-                    shaking.append(fd)
-                    continue
-                if kind in _HANDSHAKE_FAILED:
-                    if shaking:
-                        shaking.pop(0)
-                    continue
-                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    if shaking:
-                        peers.add(shaking.pop(0))
-                    self.stats.publishers_now(len(peers))
-                    self._log.info("zmq_publisher_connected", endpoint=self.endpoint,
-                                   mode=self.config.zmq_mode, publishers=len(peers))
-                    continue
-                if kind != zmq.EVENT_DISCONNECTED:
-                    continue
-                if fd in shaking:
-                    shaking.remove(fd)  # refused by allowed_publishers, or never finished
-                else:
-                    peers.discard(fd)
-                    self.stats.publishers_now(len(peers), lost=True)
-                    self._log.warning("zmq_disconnected", endpoint=self.endpoint,
-                                      mode=self.config.zmq_mode, publishers=len(peers),
-                                      max_frame_bytes=self._socket_cap)
-                if self.config.zmq_mode == "connect" and self.endpoint is not None:
-                    await asyncio.sleep(_RECONNECT_DELAY_S)
-                    # ENOENT when the session is already gone (the protocol-error case)
-                    with contextlib.suppress(zmq.ZMQError):
-                        sub.disconnect(self.endpoint)
-                    sub.connect(self.endpoint)
-        finally:
-            self.stats.publishers_now(0)
-            sub.disable_monitor()
-            mon.close(linger=0)
-
     def expect_new_stream(self) -> None:
         """The engine was declared down and the source cleared: whatever comes next starts
         afresh. With a replay endpoint the next batch is expected at seq 0, so a stream that goes
@@ -329,7 +240,7 @@ class ZmqSource:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.linger = 0
         dealer.maxmsgsize = self._socket_cap
-        dealer.ipv6 = _wants_ipv6(self.config.replay_endpoint)
+        dealer.ipv6 = wants_ipv6(self.config.replay_endpoint)
         dealer.connect(self.config.replay_endpoint)
         return dealer
 
@@ -347,6 +258,56 @@ class ZmqSource:
         self._live_fut = None
         return frames
 
+    async def _next_live(self, sub: zmq.asyncio.Socket) -> list[bytes] | None:
+        """The next live message, or None after `tail_probe_s` of silence when a tail probe is
+        due. A message already waiting is taken without a timer (the hot path): pyzmq receives
+        at once when it can, so the pending receive is then already done."""
+        if self._tail_probed or self.config.replay_endpoint is None or self._seq.expected is None:
+            return await self._recv_live(sub)
+        if self._live_fut is None:
+            self._live_fut = _recv(sub)
+        if self._live_fut.done():
+            return await self._recv_live(sub)
+        done, _ = await asyncio.wait((self._live_fut,), timeout=self._tail_probe_s)
+        if not done:
+            return None  # the pending receive is kept: no message is lost to a cancel
+        return await self._recv_live(sub)
+
+    async def _probe_tail(self, sub: zmq.asyncio.Socket) -> None:
+        """After `tail_probe_s` without a batch, ask the engine's replay buffer once for what
+        follows the last one. A batch lost at the high-water mark or during a reconnect right
+        before the engine went quiet shows no gap until a later batch comes, which an idle
+        engine does not send: its stores and removals would stay unknown for as long as it is
+        idle. The run that continues the stream is applied; a buffer that no longer starts where
+        the stream stopped clears, as a gap does. Live batches received meanwhile follow (those
+        the run already covered are skipped)."""
+        self._tail_probed = True
+        expected = self._seq.expected
+        if expected is None:
+            return
+        if self._dealer is None:
+            self._dealer = self._new_dealer()
+        replayed, _status = await self._replay(sub, self._dealer, expected, _ALL_SEQS)
+        if not replayed:
+            return  # nothing was lost (or the engine does not answer: nothing is known)
+        replayed.sort()
+        run: list[tuple[int, bytes]] = []
+        for item in replayed:
+            if item[0] != (run[-1][0] + 1 if run else replayed[0][0]):
+                break
+            run.append(item)
+        self.stats.gap_found()
+        covered = run[0][0] == expected
+        self._log.warning("zmq_tail_lost", expected=expected, first=run[0][0], last=run[-1][0],
+                          replayed="exact" if covered else "partial")
+        if not covered:
+            self._feeder.put(SourceCleared(ClearReason.GAP))
+        for seq, payload in run:
+            await self._apply(seq, payload)
+        self.stats.replay_ended(covered=covered)
+        self._seq.expect(run[-1][0] + 1)
+        self._drop_replayed(run[-1][0])
+
     # --- live batches -------------------------------------------------------------------
 
     async def _handle(self, sub: zmq.asyncio.Socket, frames: list[bytes]) -> None:
@@ -357,6 +318,7 @@ class ZmqSource:
             self._log.warning("zmq_bad_message", reason=exc.reason.value, detail=str(exc))
             return
         self.stats.frame_received()
+        self._tail_probed = False
         if self._new_stream:
             self._new_stream = False
             self._seq.reset()
@@ -431,16 +393,7 @@ class ZmqSource:
         self._seq.expect(applied[-1] + 1)
         self.stats.startup_replayed("exact" if applied[0] == 0 else "partial", len(applied),
                                     applied[0])
-        kept: deque[list[bytes]] = deque()
-        for frames in self._backlog:
-            try:
-                _topic, seq, _payload = parse_event_frames(frames)
-            except FrameError:
-                kept.append(frames)  # counted when handled
-                continue
-            if seq > applied[-1]:
-                kept.append(frames)
-        self._backlog = kept
+        self._drop_replayed(applied[-1])
         if applied[0] == 0:
             self._log.info("zmq_startup_replay", status="exact", batches=len(applied),
                            last_seq=applied[-1])
@@ -449,6 +402,19 @@ class ZmqSource:
                               from_seq=applied[0], last_seq=applied[-1],
                               effect="blocks stored before the engine's replay buffer starts "
                                      "are unknown until stored again")
+
+    def _drop_replayed(self, last: int) -> None:
+        """Skip the live batches kept during a replay that it already covered (seq <= `last`)."""
+        kept: deque[list[bytes]] = deque()
+        for frames in self._backlog:
+            try:
+                _topic, seq, _payload = parse_event_frames(frames)
+            except FrameError:
+                kept.append(frames)  # counted when handled
+                continue
+            if seq > last:
+                kept.append(frames)
+        self._backlog = kept
 
     async def _replay_restart(self, sub: zmq.asyncio.Socket, seq: int) -> None:
         """The restarted engine's first batch seen is `seq` > 0: its batches 0..seq-1 were lost
@@ -567,16 +533,6 @@ class ZmqSource:
         if status is ReplayStatus.TIMEOUT:
             self._log.warning("zmq_replay_timeout", start=start, received=len(replayed))
         return replayed, status
-
-
-def _wants_ipv6(endpoint: str) -> bool:
-    """IPv6 literals, wildcards and host names need libzmq's IPv6 option; an IPv4 literal must
-    not get it (it would be reported as ::ffff:a.b.c.d). Peers of a dual-stack bind show up as
-    IPv4-mapped addresses, which the allow-list unwraps."""
-    if not endpoint.startswith("tcp://"):
-        return False
-    host = endpoint[len("tcp://"):].rsplit(";", maxsplit=1)[-1].rpartition(":")[0]
-    return parse_address(host) is None or ":" in host
 
 
 def _recv(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:
