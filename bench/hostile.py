@@ -10,12 +10,16 @@ batch that must still come through (the daemon is alive and in order):
    listener connects again), and the same frame again;
 2. hashes: 625,000 block hashes in one frame (dropped: `oversized_array` / `too_many_hashes`);
 3. bomb: an array32 header claiming 10M elements with no body (`oversized_array`);
-4. flood: 30,000 distinct two-block chains, each a pending chain whose request never returns.
+4. flood: 30,000 distinct two-block chains, each a pending chain whose request never returns;
+5. burst: 120 legal 3.7 MiB frames (800 removals of 1,000 hashes each) back to back, faster
+   than the listener decodes them: what waits is libzmq's receive queue (counted in frames: 4
+   of the 16 MiB socket cap) and then the publisher's.
 
 Printed: the daemon's RSS (VmRSS) and peak RSS (VmHWM) after each phase, the baseline, and the
 per-source bound the man page states (max_tracked_blocks x 550 B at worst + max_retained_tokens x 4 B +
 32 MiB + one frame being received, 2 x max_message_bytes, + its decoded form, at most 8 x
-max_message_bytes). Not a test: figures, measured in one run.
+max_message_bytes, + 64 MiB + 10 x max_message_bytes of frames received and not handled yet:
+libzmq's queue and a replay's backlog). Not a test: figures, measured in one run.
 
 Run: .venv/bin/python bench/hostile.py
 """
@@ -41,12 +45,17 @@ from quiet import quiet_libraries
 from kv_listener.core.model import BlockStored
 from kv_listener.sim.encode import encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
+from kv_listener.sources.zmq import RECEIVE_BUDGET_BYTES
 from tests.conftest import free_port
 from tests.support.daemon import Daemon
 
 MAX_BLOCKS = 20_000
 MAX_TOKENS = 1_000_000
 MAX_MESSAGE = 8 << 20
+BURST_FRAMES = 120
+#: frames received and not handled yet: libzmq's receive queue (the budget, or 4 frames of the
+#: 2 x max_message_bytes socket cap) and a replay's backlog (the budget and the newest frame)
+RECEIVED_MIB = 2 * RECEIVE_BUDGET_BYTES / 2**20 + 10 * MAX_MESSAGE / 2**20
 
 
 def mem_kib(pid: int) -> tuple[int, int]:
@@ -163,13 +172,23 @@ async def main() -> None:
                 await asyncio.sleep(0)
         await probe(daemon, pub, session, 5)
         rows.append(("30,000 pending chains, /detokenize hung", *mem_kib(pid)))
+
+        burst = msgpack.packb([1.0, [{"type": "BlockRemoved", "medium": "GPU",
+                                      "block_hashes": list(range(i * 1000, i * 1000 + 1000))}
+                                     for i in range(800)], 0])
+        for _ in range(BURST_FRAMES):
+            pub.publish(burst)
+        del burst
+        await probe(daemon, pub, session, 6)
+        rows.append((f"{BURST_FRAMES} x 3.7 MiB frames back to back", *mem_kib(pid)))
         async with session.get(f"{daemon.base}/stats") as resp:
             st = (await resp.json())["sources"]["hostile"]
     await hung.close()
 
     # tracker + queue and resolver budgets + one frame received (2x) + its decoded form (8x: a
-    # msgpack fixint is 1 byte, its list slot 8)
-    bound_mib = (MAX_BLOCKS * 550 + MAX_TOKENS * 4) / 2**20 + 32 + 10 * MAX_MESSAGE / 2**20
+    # msgpack fixint is 1 byte, its list slot 8) + the frames received and not handled yet
+    bound_mib = ((MAX_BLOCKS * 550 + MAX_TOKENS * 4) / 2**20 + 32 + 10 * MAX_MESSAGE / 2**20
+                 + RECEIVED_MIB)
     base = rows[0][1]
     print(f"listener under a hostile publisher (limits: {MAX_BLOCKS} blocks, {MAX_TOKENS} tokens, "
           f"{MAX_MESSAGE >> 20} MiB messages)")

@@ -40,12 +40,15 @@ MIB = 1 << 20
 
 # docs/reliability.md, "Memory bound", per source: block records x 150 B (multi-block chains) up
 # to x 550 B (every block its own prefix) + max_retained_tokens x 4 B + 32 MiB (queued batches
-# and resolver requests) + 10 x max_message_bytes. test_memory_bound_constants_match_the_doc
-# ties these to the doc's text.
+# and resolver requests) + 10 x max_message_bytes (a frame being received, its decoded form) +
+# 64 MiB + 10 x max_message_bytes (frames received and not handled yet).
+# test_memory_bound_constants_match_the_doc ties these to the doc's text.
 BYTES_PER_BLOCK_WORST = 550
 BYTES_PER_TOKEN = 4
 QUEUES_BYTES = 32 * MIB
 MESSAGE_FACTOR = 10
+RECEIVED_BYTES = 64 * MIB
+RECEIVED_MESSAGE_FACTOR = 10
 #: Idle RSS of the listener with one source: 55 MiB measured, 85 MiB once transformers is
 #: imported to learn a chat template from /tokenizer_info (Python 3.11, this machine).
 IDLE_RSS_BYTES = 96 * MIB
@@ -315,6 +318,8 @@ def test_memory_bound_constants_match_the_doc() -> None:
     assert f"`max_retained_tokens` x {BYTES_PER_TOKEN} bytes" in flat
     assert f"+ {QUEUES_BYTES // MIB} MiB" in flat
     assert f"+ {MESSAGE_FACTOR} x `max_message_bytes`" in flat
+    assert (f"+ {RECEIVED_BYTES // MIB} MiB + {RECEIVED_MESSAGE_FACTOR} x `max_message_bytes` "
+            "for frames received and not handled yet") in flat
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,7 +411,8 @@ def test_vllm_publishes_its_kv_events_to_the_sidecar() -> None:
 def memory_bound(limits: Obj) -> int:
     return int(limits["max_tracked_blocks"] * BYTES_PER_BLOCK_WORST
                + limits["max_retained_tokens"] * BYTES_PER_TOKEN
-               + QUEUES_BYTES + MESSAGE_FACTOR * limits["max_message_bytes"])
+               + QUEUES_BYTES + MESSAGE_FACTOR * limits["max_message_bytes"]
+               + RECEIVED_BYTES + RECEIVED_MESSAGE_FACTOR * limits["max_message_bytes"])
 
 
 def quantity_bytes(q: str) -> int:

@@ -27,7 +27,7 @@ from kv_listener.sim.encode import encode_sglang_batch, encode_vllm_batch
 from kv_listener.sim.publisher import SimPublisher
 from kv_listener.sources import zmq as zmq_source_module
 from kv_listener.sources.common import QueueFeeder
-from kv_listener.sources.zmq import ZmqSource
+from kv_listener.sources.zmq import RECEIVE_BUDGET_BYTES, SOCKET_CAP_FACTOR, ZmqSource
 from kv_listener.stats import SourceStats
 from tests.support.queues import get, get_batch
 from tests.support.tasks import running_task
@@ -108,6 +108,7 @@ class Connected(NamedTuple):
 @contextlib.asynccontextmanager
 async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
                     max_replay_backlog: int = 4096, tail_probe_s: float = 60.0,
+                    receive_budget_bytes: int = RECEIVE_BUDGET_BYTES,
                     publisher: dict[str, Any] | None = None,
                     **overrides: Any) -> AsyncIterator[Connected]:
     """A publisher bound on a free port (with a replay endpoint if `replay`), a vLLM source
@@ -121,7 +122,8 @@ async def connected(*, replay: bool = False, replay_timeout_s: float = 5.0,
         stats = SourceStats(engine="vllm")
         source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect", **overrides),
                            queue, stats, replay_timeout_s=replay_timeout_s,
-                           max_replay_backlog=max_replay_backlog, tail_probe_s=tail_probe_s)
+                           max_replay_backlog=max_replay_backlog, tail_probe_s=tail_probe_s,
+                           receive_budget_bytes=receive_budget_bytes)
         async with running(source):
             assert stats.ready
             await pub.wait_for_subscriber()
@@ -303,26 +305,60 @@ async def test_replay_timeout_clears_keeps_live_batches_and_recovers() -> None:
     assert (stats.gaps, stats.replays, stats.replay_failures) == (2, 1, 1)
 
 
-async def test_batches_lost_beyond_the_replay_backlog_are_noticed_without_a_later_batch() -> None:
-    # Live batches beyond max_replay_backlog during a replay are dropped. The engine then goes
-    # quiet: no later batch will show the gap they leave, so the backlog must end with the newest
-    # batch seen, whose seq shows it (else batches 5 and 6 are missing with no clear, for good).
-    async with connected(replay=True, replay_timeout_s=0.3, max_replay_backlog=2,
+def wide(h: int) -> bytes:
+    """A batch of 100 one-block chains (about 2 KiB); every `h` of 1-65 gives the same size."""
+    return payload(*range(1000 * h, 1000 * h + 100))
+
+
+@pytest.mark.parametrize("bound", ["count", "bytes"])
+async def test_batches_lost_beyond_the_replay_backlog_are_noticed_without_a_later_batch(
+        bound: str) -> None:
+    # Live batches beyond max_replay_backlog, or beyond the receive budget in bytes, during a
+    # replay are dropped. The engine then goes quiet: no later batch will show the gap they
+    # leave, so the backlog must end with the newest batch seen, whose seq shows it (else
+    # batches 5 and 6 are missing with no clear, for good). Before 2026-12-05 the backlog was
+    # bounded in count only: 4,096 frames of up to 16 MiB each.
+    size = len(wide(1))
+    limit = {"max_replay_backlog": 2} if bound == "count" else {"receive_budget_bytes": size * 5 // 2}
+    async with connected(replay=True, replay_timeout_s=0.3, **limit,
                          publisher={"replay_layout": "no_topic"}) as (pub, queue, stats, _):
         pub.replay_enabled = False  # a hung engine: each replay times out and clears
-        pub.publish(payload(1))
+        pub.publish(wide(1))
         pub.drop_next(1)
-        pub.publish(payload(2))  # seq 1, lost on the wire
-        pub.publish(payload(3))  # seq 2 reveals the gap: a replay starts
+        pub.publish(wide(2))  # seq 1, lost on the wire
+        pub.publish(wide(3))  # seq 2 reveals the gap: a replay starts
         await pub.wait_for_replay_requests(2)  # the start-up replay, then this one
         for h in (4, 5, 6, 7):
-            pub.publish(payload(h))  # seqs 3-6 during the replay: a backlog of 2 keeps 3, 6
+            pub.publish(wide(h))  # seqs 3-6 during the replay: a backlog of 2 keeps 3, 6
         items = [await get(queue) for _ in range(6)]
     assert [i.seq if isinstance(i, EventBatch) else i for i in items] == [
         0, SourceCleared(ClearReason.GAP), 2, 3, SourceCleared(ClearReason.GAP), 6]
     assert stats.events_dropped == {"replay_backlog_overflow": 2}
     assert (stats.gaps, stats.replay_failures) == (2, 2)
     assert stats.clears == {"gap": 2}
+
+
+@pytest.mark.parametrize("max_message_bytes", [8 << 20, 64 << 10])
+async def test_the_sub_socket_queues_at_most_the_receive_budget(max_message_bytes: int) -> None:
+    # libzmq's receive queue counts messages, not bytes. At its former 100,000 frames of up to
+    # twice max_message_bytes, a burst of big legal batches took the daemon far past its stated
+    # memory bound (bench/hostile.py: 120 frames of 3.7 MiB, peak 464 MiB over idle). A burst
+    # longer than the queue waits in the publisher's instead: no loss.
+    async with connected(limits=Limits(max_message_bytes=max_message_bytes)) as (
+            pub, queue, stats, source):
+        sub = source.socket
+        assert sub is not None
+        cap = SOCKET_CAP_FACTOR * max_message_bytes
+        assert sub.maxmsgsize == cap
+        assert sub.rcvhwm * cap <= max(RECEIVE_BUDGET_BYTES, 4 * cap)
+        assert sub.rcvhwm >= max(4, RECEIVE_BUDGET_BYTES // cap)  # not smaller than it must be
+        for h in range(1, 61):
+            pub.publish(wide(h))
+        got = [await get_batch(queue) for _ in range(60)]
+    assert [b.seq for b in got] == list(range(60))
+    assert (stats.gaps, stats.events_dropped) == (0, {})
+
+
 
 
 async def test_batches_lost_right_before_the_engine_went_quiet_come_from_its_replay() -> None:

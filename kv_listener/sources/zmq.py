@@ -70,6 +70,17 @@ _THREAD_DECODE_BYTES = 64 << 10
 #: (ZMQ_MAXMSGSIZE): frames between the two are dropped and counted, frames above it are never
 #: read whole into memory, so one message costs at most this much while it is received.
 SOCKET_CAP_FACTOR = 2
+#: Bytes that frames received but not handled yet may take, twice per source: libzmq's receive
+#: queue, which counts messages, not bytes (the SUB's high-water mark is as many frames of the
+#: socket cap as fit, at least `_MIN_RCVHWM`: at most this or 4 x the cap; a longer burst waits
+#: in the kernel's socket buffer and the engine's PUB queue, and is lost, as a gap, only there),
+#: and the live batches kept while a replay is in flight (plus the newest one, `_replay`).
+RECEIVE_BUDGET_BYTES = 32 << 20
+#: 4 frames: `bench/peers.py`'s bursts of 16 KiB frames cost 7.9 CPU ms per 1,000 blocks with
+#: 4, 8.6 with 2 and 7.3 with the former 100,000 (2026-12-05, medians of 12), which had no bound
+#: in bytes at all (100,000 x 16 MiB with the default 8 MiB messages).
+_MIN_RCVHWM = 4
+_MAX_RCVHWM = 100_000
 #: `_replay`'s upper bound when the whole buffer is wanted (start-up).
 _ALL_SEQS = 1 << 63
 #: Silence after which a source with a replay endpoint asks the engine once for what follows its
@@ -84,15 +95,18 @@ class ZmqSource:
     runs until cancelled and closes every socket on the way out.
 
     Optional knobs: `replay_timeout_s` bounds a whole replay (request to end marker);
-    `max_replay_backlog` bounds the live batches kept while a replay is in flight;
-    `rcvhwm` is the SUB socket's high-water mark; `feeder` the queue's feeder when its owner
+    `max_replay_backlog` bounds the live batches kept while a replay is in flight (in count;
+    in bytes, the receive budget does);
+    `receive_budget_bytes` bounds the frames received and not handled yet
+    (`RECEIVE_BUDGET_BYTES`); `feeder` the queue's feeder when its owner
     (the source runtime) shares one (else one of its own on `queue`); `tail_probe_s` the silence
     after which the replay buffer is asked for batches lost right before it (`_probe_tail`).
     """
 
     def __init__(self, config: SourceConfig, queue: asyncio.Queue[SourceItem], stats: SourceStats,
                  *, replay_timeout_s: float = 5.0, max_replay_backlog: int = 4096,
-                 rcvhwm: int = 100_000, feeder: QueueFeeder | None = None,
+                 receive_budget_bytes: int = RECEIVE_BUDGET_BYTES,
+                 feeder: QueueFeeder | None = None,
                  tail_probe_s: float = TAIL_PROBE_S) -> None:
         if config.engine not in (Engine.VLLM, Engine.SGLANG):
             raise ValueError(f"{config.backend_name}: ZmqSource is for vllm/sglang, not {config.engine}")
@@ -108,8 +122,9 @@ class ZmqSource:
         self._new_stream = False  # set by expect_new_stream, applied at the next live batch
         self._replay_timeout_s = replay_timeout_s
         self._max_backlog = max_replay_backlog
-        self._rcvhwm = rcvhwm
+        self._budget = receive_budget_bytes
         self._backlog: deque[list[bytes]] = deque()
+        self._backlog_bytes = 0
         self._tail_probe_s = tail_probe_s
         self._tail_probed = False  # since the last live batch
         self._live_fut: asyncio.Future[list[bytes]] | None = None
@@ -126,6 +141,8 @@ class ZmqSource:
         self.peer_refused = asyncio.Event()
         #: The endpoint actually bound (port 0 resolved) or connected to.
         self.endpoint: str | None = None
+        #: The SUB socket while running.
+        self.socket: zmq.asyncio.Socket | None = None
 
     @property
     def _uses_zap(self) -> bool:
@@ -146,9 +163,9 @@ class ZmqSource:
                 auth = AllowListAuthenticator(ctx, allow, self.stats, self.config.backend_name,
                                                self.peer_refused)
                 auth.start()
-            sub = ctx.socket(zmq.SUB)
+            sub = self.socket = ctx.socket(zmq.SUB)
             sub.linger = 0
-            sub.rcvhwm = self._rcvhwm
+            sub.rcvhwm = self.rcvhwm
             sub.ipv6 = wants_ipv6(self.config.zmq_endpoint or "")
             if auth is not None:
                 sub.zap_domain = ZAP_DOMAIN
@@ -170,6 +187,7 @@ class ZmqSource:
             while True:
                 if self._backlog:
                     frames = self._backlog.popleft()
+                    self._backlog_bytes -= _size(frames)
                 else:
                     got = await self._next_live(sub)
                     if got is None:
@@ -189,6 +207,7 @@ class ZmqSource:
             self._close_dealer()
             if sub is not None:
                 sub.close(linger=0)
+                self.socket = None
             if auth is not None:
                 auth.stop()
             ctx.destroy(linger=0)
@@ -224,6 +243,12 @@ class ZmqSource:
     @property
     def _socket_cap(self) -> int:
         return self.config.limits.max_message_bytes * SOCKET_CAP_FACTOR
+
+    @property
+    def rcvhwm(self) -> int:
+        """The SUB's high-water mark: as many frames of the socket cap as the receive budget
+        holds, at least `_MIN_RCVHWM` (4 with the default 8 MiB messages)."""
+        return max(_MIN_RCVHWM, min(_MAX_RCVHWM, self._budget // self._socket_cap))
 
     def expect_new_stream(self) -> None:
         """The engine was declared down and the source cleared: whatever comes next starts
@@ -415,6 +440,7 @@ class ZmqSource:
             if seq > last:
                 kept.append(frames)
         self._backlog = kept
+        self._backlog_bytes = sum(_size(frames) for frames in kept)
 
     async def _replay_restart(self, sub: zmq.asyncio.Socket, seq: int) -> None:
         """The restarted engine's first batch seen is `seq` > 0: its batches 0..seq-1 were lost
@@ -494,12 +520,16 @@ class ZmqSource:
                 if self._live_fut in done:
                     frames = self._live_fut.result()
                     self._live_fut = None
-                    if len(self._backlog) < self._max_backlog:
+                    size = _size(frames)
+                    if not self._backlog or (len(self._backlog) < self._max_backlog
+                                             and self._backlog_bytes + size <= self._budget):
                         self._backlog.append(frames)
+                        self._backlog_bytes += size
                     else:
                         # Lost like a high-water-mark drop, but the newest batch takes the last
                         # place: the backlog ends with it, so its seq shows the gap even when
                         # the engine sends nothing more (a lost tail would go unnoticed).
+                        self._backlog_bytes += size - _size(self._backlog[-1])
                         self._backlog[-1] = frames
                         self.stats.dropped(SourceDropReason.REPLAY_BACKLOG_OVERFLOW.value)
                 if send_fut is not None and send_fut in done:
@@ -533,6 +563,10 @@ class ZmqSource:
         if status is ReplayStatus.TIMEOUT:
             self._log.warning("zmq_replay_timeout", start=start, received=len(replayed))
         return replayed, status
+
+
+def _size(frames: list[bytes]) -> int:
+    return sum(len(frame) for frame in frames)
 
 
 def _recv(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:
