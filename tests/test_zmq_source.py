@@ -361,6 +361,47 @@ async def test_the_sub_socket_queues_at_most_the_receive_budget(max_message_byte
 
 
 
+async def test_a_start_up_replay_larger_than_the_budget_comes_in_rounds() -> None:
+    # The engine's whole buffer (vLLM: 10,000 batches of up to max_message_bytes) was held at
+    # once before it was applied. Now a request stops at the receive budget (2 of these batches),
+    # applies them and asks again from where it stopped: the same exact state, in order.
+    size = len(wide(1))
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind",
+                            replay_endpoint="tcp://127.0.0.1:0") as pub:
+        for h in range(1, 8):
+            pub.publish(wide(h))  # seqs 0-6, before any listener: in the replay buffer only
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+        stats = SourceStats(engine="vllm")
+        cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode="connect",
+                     zmq_endpoint=pub.endpoint)
+        source = ZmqSource(cfg, queue, stats, tail_probe_s=60.0,
+                           receive_budget_bytes=size * 5 // 2)
+        async with running(source):
+            got = [await get_batch(queue) for _ in range(7)]
+            assert pub.replay_requests == [0, 2, 4, 6]
+            pub.publish(wide(8))  # the live stream goes on in order
+            got.append(await get_batch(queue))
+    assert [b.seq for b in got] == list(range(8))
+    assert [hashes(b)[0] for b in got] == [1000 * h for h in range(1, 9)]
+    assert (stats.startup_replay, stats.startup_replay_batches) == ("exact", 7)
+    assert not stats.clears and stats.gaps == 0
+
+
+async def test_a_gap_larger_than_the_budget_clears_instead_of_holding_it_all() -> None:
+    size = len(wide(1))
+    async with connected(replay=True, receive_budget_bytes=size * 5 // 2) as (pub, queue, stats, _):
+        pub.publish(wide(1))
+        assert (await get_batch(queue)).seq == 0
+        pub.drop_next(4)
+        for h in (2, 3, 4, 5, 6):
+            pub.publish(wide(h))  # seqs 1-4 lost, 5 reveals the gap
+        items = [await get(queue) for _ in range(2)]
+        assert pub.replay_requests == [0, 1]
+    assert items[0] == SourceCleared(ClearReason.GAP)
+    assert isinstance(items[1], EventBatch) and items[1].seq == 5
+    assert (stats.gaps, stats.replay_failures, stats.clears) == (1, 1, {"gap": 1})
+
+
 async def test_batches_lost_right_before_the_engine_went_quiet_come_from_its_replay() -> None:
     # The last two batches were lost on the wire (a high-water mark, a reconnect) and the engine
     # then publishes nothing: no later seq shows the gap. After tail_probe_s of silence the

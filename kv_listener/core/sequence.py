@@ -139,6 +139,7 @@ class ReplayStatus(enum.StrEnum):
     COMPLETE = "complete"  # the end marker arrived
     TIMEOUT = "timeout"  # no end marker within the timeout
     UNAVAILABLE = "unavailable"  # no replay endpoint, or the request could not be sent
+    TRUNCATED = "truncated"  # cut at the edge's byte budget before the end marker
 
 
 class GapOutcome(enum.StrEnum):

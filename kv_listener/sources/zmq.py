@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -70,15 +71,14 @@ _THREAD_DECODE_BYTES = 64 << 10
 #: (ZMQ_MAXMSGSIZE): frames between the two are dropped and counted, frames above it are never
 #: read whole into memory, so one message costs at most this much while it is received.
 SOCKET_CAP_FACTOR = 2
-#: Bytes that frames received but not handled yet may take, twice per source: libzmq's receive
-#: queue, which counts messages, not bytes (the SUB's high-water mark is as many frames of the
-#: socket cap as fit, at least `_MIN_RCVHWM`: at most this or 4 x the cap; a longer burst waits
-#: in the kernel's socket buffer and the engine's PUB queue, and is lost, as a gap, only there),
-#: and the live batches kept while a replay is in flight (plus the newest one, `_replay`).
-RECEIVE_BUDGET_BYTES = 32 << 20
-#: 4 frames: `bench/peers.py`'s bursts of 16 KiB frames cost 7.9 CPU ms per 1,000 blocks with
-#: 4, 8.6 with 2 and 7.3 with the former 100,000 (2026-12-05, medians of 12), which had no bound
-#: in bytes at all (100,000 x 16 MiB with the default 8 MiB messages).
+#: Bytes that frames received but not handled yet may take, three times per source: libzmq's
+#: receive queue, which counts messages, not bytes (the SUB's high-water mark is as many frames
+#: of the socket cap as fit, at least `_MIN_RCVHWM`: at most this or 4 x the cap; a longer burst
+#: waits in the kernel's socket buffer and the engine's PUB queue, and is lost, as a gap, only
+#: there), the live batches kept while a replay is in flight and a replay's answer (each plus
+#: one frame, `_replay`).
+RECEIVE_BUDGET_BYTES = 16 << 20
+#: Fewer costs CPU on bursts (docs/reliability.md, "Memory bound").
 _MIN_RCVHWM = 4
 _MAX_RCVHWM = 100_000
 #: `_replay`'s upper bound when the whole buffer is wanted (start-up).
@@ -183,7 +183,7 @@ class ZmqSource:
             self.ready.set()
             self._log.info("zmq_source_ready", endpoint=self.endpoint, mode=self.config.zmq_mode)
             if self._dealer is not None:
-                await self._startup_replay(sub, self._dealer)
+                await self._startup_replay(sub)
             while True:
                 if self._backlog:
                     frames = self._backlog.popleft()
@@ -310,28 +310,18 @@ class ZmqSource:
         expected = self._seq.expected
         if expected is None:
             return
-        if self._dealer is None:
-            self._dealer = self._new_dealer()
-        replayed, _status = await self._replay(sub, self._dealer, expected, _ALL_SEQS)
-        if not replayed:
+        gap = SourceCleared(ClearReason.GAP)  # queued first when the buffer has moved on
+        first, last, _status = await self._replay_run(
+            sub, expected, lambda seq: None if seq == expected else self._feeder.put(gap))
+        if first is None or last is None:
             return  # nothing was lost (or the engine does not answer: nothing is known)
-        replayed.sort()
-        run: list[tuple[int, bytes]] = []
-        for item in replayed:
-            if item[0] != (run[-1][0] + 1 if run else replayed[0][0]):
-                break
-            run.append(item)
         self.stats.gap_found()
-        covered = run[0][0] == expected
-        self._log.warning("zmq_tail_lost", expected=expected, first=run[0][0], last=run[-1][0],
+        covered = first == expected
+        self._log.warning("zmq_tail_lost", expected=expected, first=first, last=last,
                           replayed="exact" if covered else "partial")
-        if not covered:
-            self._feeder.put(SourceCleared(ClearReason.GAP))
-        for seq, payload in run:
-            await self._apply(seq, payload)
         self.stats.replay_ended(covered=covered)
-        self._seq.expect(run[-1][0] + 1)
-        self._drop_replayed(run[-1][0])
+        self._seq.expect(last + 1)
+        self._drop_replayed(last)
 
     # --- live batches -------------------------------------------------------------------
 
@@ -394,7 +384,7 @@ class ZmqSource:
 
     # --- gaps and replay ----------------------------------------------------------------
 
-    async def _startup_replay(self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket) -> None:
+    async def _startup_replay(self, sub: zmq.asyncio.Socket) -> None:
         """Rebuild what the engine holds from its whole replay buffer (a listener restarted
         next to a running engine would otherwise know nothing stored before its start; vLLM
         keeps up to 10,000 batches). Exact when the buffer still starts at seq 0; otherwise the
@@ -402,31 +392,52 @@ class ZmqSource:
         that the replay already covered are skipped; the rest follow in order. An engine that
         does not answer (not up yet) leaves seq 0 expected, so its first batch above 0 is
         fetched by replay like any gap."""
-        replayed, status = await self._replay(sub, dealer, 0, _ALL_SEQS)
-        applied: list[int] = []
-        for seq, payload in replayed:
-            if applied and seq != applied[-1] + 1:
-                break  # a hole: the rest cannot be applied in order
-            await self._apply(seq, payload)
-            applied.append(seq)
-        if not applied:
+        first, last, status = await self._replay_run(sub, 0, None)
+        if first is None or last is None:
             self._seq.expect(0)
             outcome = "empty" if status is ReplayStatus.COMPLETE else status.value
             self.stats.startup_replayed(outcome)
             self._log.info("zmq_startup_replay", status=outcome, batches=0)
             return
-        self._seq.expect(applied[-1] + 1)
-        self.stats.startup_replayed("exact" if applied[0] == 0 else "partial", len(applied),
-                                    applied[0])
-        self._drop_replayed(applied[-1])
-        if applied[0] == 0:
-            self._log.info("zmq_startup_replay", status="exact", batches=len(applied),
-                           last_seq=applied[-1])
+        batches = last - first + 1
+        self._seq.expect(last + 1)
+        self.stats.startup_replayed("exact" if first == 0 else "partial", batches, first)
+        self._drop_replayed(last)
+        if first == 0:
+            self._log.info("zmq_startup_replay", status="exact", batches=batches, last_seq=last)
         else:
-            self._log.warning("zmq_startup_replay", status="partial", batches=len(applied),
-                              from_seq=applied[0], last_seq=applied[-1],
+            self._log.warning("zmq_startup_replay", status="partial", batches=batches,
+                              from_seq=first, last_seq=last,
                               effect="blocks stored before the engine's replay buffer starts "
                                      "are unknown until stored again")
+
+    async def _replay_run(self, sub: zmq.asyncio.Socket, start: int,
+                          before_first: Callable[[int], object] | None,
+                          ) -> tuple[int | None, int | None, ReplayStatus]:
+        """Replay `start..` and apply the run of consecutive batches it delivers from its first
+        one: (first, last) of the run (None, None when it delivered nothing) and how the last
+        request ended. `before_first(seq)` runs before the first batch is applied. What one
+        request holds is bounded by the receive budget: a request cut there (`TRUNCATED`) is
+        applied and followed by one from where it stopped, so the engine's whole buffer (vLLM:
+        10,000 batches of up to `max_message_bytes`) never sits in memory at once."""
+        first: int | None = None
+        last: int | None = None
+        while True:
+            if self._dealer is None:
+                self._dealer = self._new_dealer()
+            replayed, status = await self._replay(sub, self._dealer, start, _ALL_SEQS)
+            for seq, payload in sorted(replayed):
+                if last is not None and seq != last + 1:
+                    return first, last, status  # a hole: the rest cannot be applied in order
+                if first is None:
+                    first = seq
+                    if before_first is not None:
+                        before_first(seq)
+                await self._apply(seq, payload)
+                last = seq
+            if status is not ReplayStatus.TRUNCATED or last is None:
+                return first, last, status
+            start = last + 1
 
     def _drop_replayed(self, last: int) -> None:
         """Skip the live batches kept during a replay that it already covered (seq <= `last`)."""
@@ -495,11 +506,13 @@ class ZmqSource:
     async def _replay(
         self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket, start: int, got: int
     ) -> tuple[list[tuple[int, bytes]], ReplayStatus]:
-        """Ask the engine for `start..` and read replies until the end marker, the deadline, or
-        an error, while live batches keep being received into the backlog."""
+        """Ask the engine for `start..` and read replies until the end marker, the deadline, the
+        receive budget (`TRUNCATED`), or an error, while live batches keep being received into
+        the backlog."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._replay_timeout_s
         replayed: list[tuple[int, bytes]] = []
+        replayed_bytes = 0
         status = ReplayStatus.TIMEOUT
         send_fut: asyncio.Future[Any] | None = _send(dealer, replay_request(start))
         reply_fut: asyncio.Future[list[bytes]] | None = None
@@ -546,10 +559,14 @@ class ZmqSource:
                     if reply is None:
                         status = ReplayStatus.COMPLETE
                         break
-                    # Keep only what can be used (start..got-1): bounded memory whatever the
-                    # engine's buffer holds.
+                    # Keep only what can be used (start..got-1), and at most the receive
+                    # budget (and one reply): bounded memory whatever the engine's buffer holds.
                     if start <= reply[0] < got:
+                        if replayed and replayed_bytes + len(reply[1]) > self._budget:
+                            status = ReplayStatus.TRUNCATED
+                            break
                         replayed.append(reply)
+                        replayed_bytes += len(reply[1])
         except zmq.ZMQError as exc:
             self._log.warning("zmq_replay_error", error=exc.strerror)
             status = ReplayStatus.UNAVAILABLE
