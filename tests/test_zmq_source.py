@@ -442,6 +442,24 @@ async def test_a_quiet_engine_that_lost_nothing_is_asked_once_per_silence() -> N
         assert not stats.clears and queue.empty()
 
 
+async def test_a_source_cleared_for_a_new_stream_does_not_probe_the_old_one() -> None:
+    # After engine_down the source is cleared and expects a new stream (rebuilt from seq 0 at
+    # its next batch). A probe meanwhile would apply the old stream's tail onto the cleared state.
+    async with connected(replay=True, tail_probe_s=0.05) as (pub, queue, stats, source):
+        pub.publish(payload(1))
+        assert (await get_batch(queue)).seq == 0
+        source.expect_new_stream()
+        pub.drop_next(1)
+        pub.publish(payload(2))  # seq 1: lost on the wire, in the replay buffer
+        with pytest.raises(TimeoutError):  # ten probe periods without a request
+            await pub.wait_for_replay_requests(2, timeout_s=0.5)
+        pub.publish(payload(3))  # seq 2: the stream is rebuilt from seq 0
+        got = [await get_batch(queue) for _ in range(3)]
+    assert [(b.seq, hashes(b)) for b in got] == [(0, [1]), (1, [2]), (2, [3])]
+    assert pub.replay_requests == [0, 0]
+    assert not stats.clears
+
+
 async def test_a_probe_finding_the_buffer_moved_on_clears_then_applies_what_it_holds() -> None:
     async with connected(replay=True, tail_probe_s=0.2,
                          publisher={"buffer_steps": 2}) as (pub, queue, stats, _):

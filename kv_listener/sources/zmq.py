@@ -305,10 +305,11 @@ class ZmqSource:
         engine does not send: its stores and removals would stay unknown for as long as it is
         idle. The run that continues the stream is applied; a buffer that no longer starts where
         the stream stopped clears, as a gap does. Live batches received meanwhile follow (those
-        the run already covered are skipped)."""
+        the run already covered are skipped). A source told to expect a new stream (engine
+        down, cleared) waits for its next batch instead."""
         self._tail_probed = True
         expected = self._seq.expected
-        if expected is None:
+        if expected is None or self._new_stream:
             return
         gap = SourceCleared(ClearReason.GAP)  # queued first when the buffer has moved on
         first, last, _status = await self._replay_run(
