@@ -13,11 +13,15 @@ batch that must still come through (the daemon is alive and in order):
 4. flood: 30,000 distinct two-block chains, each a pending chain whose request never returns;
 5. burst: 120 legal 3.7 MiB frames (800 removals of 1,000 hashes each) back to back, faster
    than the listener decodes them: what waits is libzmq's receive queue (counted in frames: 4
-   of the 16 MiB socket cap) and then the publisher's.
+   of the 16 MiB socket cap) and then the publisher's;
+6. behind: one legal frame of 3,750 16-block chains (960,000 tokens), which the tracker applies
+   in pieces, yielding every 5 ms, and 40 of the burst's removal frames right behind it: the
+   source decodes them while the pump is busy, so they wait in the source's queue, which holds
+   at most 262,144 block hashes (beyond: dropped, counted, an overflow clear).
 
 Printed: the daemon's RSS (VmRSS) and peak RSS (VmHWM) after each phase, the baseline, and the
 per-source bound the man page states (max_tracked_blocks x 550 B at worst + max_retained_tokens x 4 B +
-32 MiB + one frame being received, 2 x max_message_bytes, + its decoded form, at most 8 x
+44 MiB of queues + one frame being received, 2 x max_message_bytes, + its decoded form, at most 8 x
 max_message_bytes, + 48 MiB + 12 x max_message_bytes of frames received and not handled yet:
 libzmq's queue, a replay's backlog and its answer). Not a test: figures, measured in one run.
 
@@ -53,6 +57,7 @@ MAX_BLOCKS = 20_000
 MAX_TOKENS = 1_000_000
 MAX_MESSAGE = 8 << 20
 BURST_FRAMES = 120
+BEHIND_FRAMES = 40
 #: frames received and not handled yet: libzmq's receive queue (the budget, or 4 frames of the
 #: 2 x max_message_bytes socket cap), a replay's backlog and its answer (the budget and a frame)
 RECEIVED_MIB = 3 * RECEIVE_BUDGET_BYTES / 2**20 + 12 * MAX_MESSAGE / 2**20
@@ -178,16 +183,28 @@ async def main() -> None:
                                      for i in range(800)], 0])
         for _ in range(BURST_FRAMES):
             pub.publish(burst)
-        del burst
         await probe(daemon, pub, session, 6)
         rows.append((f"{BURST_FRAMES} x 3.7 MiB frames back to back", *mem_kib(pid)))
-        async with session.get(f"{daemon.base}/stats") as resp:
-            st = (await resp.json())["sources"]["hostile"]
+
+        pub.publish(encode_vllm_batch([chain(10_000_000 + 16 * i, 16, seed=i) for i in range(3_750)],
+                                      ts=1.0))
+        for _ in range(BEHIND_FRAMES):
+            pub.publish(burst)
+        del burst
+        await probe(daemon, pub, session, 7)
+        rows.append((f"{BEHIND_FRAMES} removal frames behind 60,000 blocks", *mem_kib(pid)))
+        async with asyncio.timeout(60):  # the queue drained: every clear owed is counted
+            while True:
+                async with session.get(f"{daemon.base}/stats") as resp:
+                    st = (await resp.json())["sources"]["hostile"]
+                if st["queue_depth"] == 0 and st["queued_hashes"] == 0:
+                    break
+                await asyncio.sleep(0.1)
     await hung.close()
 
     # tracker + queue and resolver budgets + one frame received (2x) + its decoded form (8x: a
     # msgpack fixint is 1 byte, its list slot 8) + the frames received and not handled yet
-    bound_mib = ((MAX_BLOCKS * 550 + MAX_TOKENS * 4) / 2**20 + 32 + 10 * MAX_MESSAGE / 2**20
+    bound_mib = ((MAX_BLOCKS * 550 + MAX_TOKENS * 4) / 2**20 + 44 + 10 * MAX_MESSAGE / 2**20
                  + RECEIVED_MIB)
     base = rows[0][1]
     print(f"listener under a hostile publisher (limits: {MAX_BLOCKS} blocks, {MAX_TOKENS} tokens, "
@@ -197,8 +214,9 @@ async def main() -> None:
         print(f"{name:<42} {rss / 1024:8.1f} {hwm / 1024:9.1f} {(hwm - base) / 1024:14.1f}")
     print(f"stated per-source bound above the baseline: {bound_mib:.1f} MiB; "
           f"peak over baseline: {(max(r[2] for r in rows) - base) / 1024:.1f} MiB")
-    print(f"dropped: {st['events_dropped']}; blocks_tracked {st['blocks_tracked']}, "
-          f"tokens_retained {st['tokens_retained']}, detokenize requests seen {hung.arrived}")
+    print(f"dropped: {st['events_dropped']}; clears {st['clears_by_reason']}; "
+          f"blocks_tracked {st['blocks_tracked']}, tokens_retained {st['tokens_retained']}, "
+          f"detokenize requests seen {hung.arrived}")
 
 
 if __name__ == "__main__":

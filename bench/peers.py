@@ -23,8 +23,9 @@ interleave (Dynamo then ours on even repetitions, ours then Dynamo on odd ones),
 shared machine hits both alike. Feeding both from one PUB at once was rejected: on 2 cores the
 two consumers and the publisher would fight for CPU and each figure would depend on the other.
 A phase is published in one burst (the publisher's high-water mark of 100,000 messages and our
-source's queue of 10,000 batches / 4 Mi tokens hold a whole phase: nothing drops, which the
-checks confirm), so each consumer always has a backlog and the figure is its capacity. A phase
+source's queue of 10,000 batches / 4 Mi tokens / 256 Ki block hashes hold a whole phase: nothing
+drops, which the checks confirm), so each consumer always has a backlog and the figure is its
+capacity. A phase
 beyond our queue (`--timed 600000`: 12,000 frames, 9.6 M token IDs) makes the daemon drop and
 clear, as it should; the run then stops at once with exit 1 and says so (`!! rep N ours: ...`)
 instead of waiting for a block that cannot come:

@@ -51,6 +51,7 @@ class SourceStats:
     engine_state: str = "unknown"  # core.liveness.EngineState value ("off": not watched)
     engine_downs: int = 0  # times the engine was declared down (a clear each)
     queued_tokens: int = 0  # token IDs held by the batches in the source's queue
+    queued_hashes: int = 0  # block hashes (stored and removed) held by those batches
 
     # --- what the source receives -------------------------------------------------------------
 
@@ -124,9 +125,11 @@ class SourceStats:
 
     # --- the queue and the pipeline behind it -------------------------------------------------
 
-    def tokens_queued(self, n: int) -> None:
-        """`n` token IDs went into the queue (negative: the pump took them out)."""
-        self.queued_tokens += n
+    def queued(self, tokens: int, hashes: int) -> None:
+        """A batch holding `tokens` token IDs and `hashes` block hashes went into the queue
+        (negative: the pump took it out)."""
+        self.queued_tokens += tokens
+        self.queued_hashes += hashes
 
     def cleared(self, reason: str, n: int = 1) -> None:
         """The source's state was cleared `n` times for `reason` (a `ClearReason` value)."""

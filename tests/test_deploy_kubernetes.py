@@ -39,13 +39,13 @@ PLACEHOLDER = "__POD_NAME__"
 MIB = 1 << 20
 
 # docs/reliability.md, "Memory bound", per source: block records x 150 B (multi-block chains) up
-# to x 550 B (every block its own prefix) + max_retained_tokens x 4 B + 32 MiB (queued batches
+# to x 550 B (every block its own prefix) + max_retained_tokens x 4 B + 44 MiB (queued batches
 # and resolver requests) + 10 x max_message_bytes (a frame being received, its decoded form) +
 # 48 MiB + 12 x max_message_bytes (frames received and not handled yet).
 # test_memory_bound_constants_match_the_doc ties these to the doc's text.
 BYTES_PER_BLOCK_WORST = 550
 BYTES_PER_TOKEN = 4
-QUEUES_BYTES = 32 * MIB
+QUEUES_BYTES = 44 * MIB
 MESSAGE_FACTOR = 10
 RECEIVED_BYTES = 48 * MIB
 RECEIVED_MESSAGE_FACTOR = 12

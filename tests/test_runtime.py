@@ -82,13 +82,14 @@ def test_each_fact_moves_its_own_counters() -> None:
     st.engine_is("down", went_down=True)
     st.engine_is("up")
     assert (st.engine_state, st.engine_downs) == ("up", 1)
-    st.tokens_queued(10)
-    st.tokens_queued(-4)
+    st.queued(10, 3)
+    st.queued(-4, -1)
     st.cleared("gap")
     st.cleared("engine_cleared", 2)
     st.restarted()
     st.salt_rejections(5)
-    assert (st.queued_tokens, st.clears, st.ready) == (6, {"gap": 1, "engine_cleared": 2}, False)
+    assert (st.queued_tokens, st.queued_hashes) == (6, 2)
+    assert (st.clears, st.ready) == ({"gap": 1, "engine_cleared": 2}, False)
     assert (st.source_restarts, st.salt_rejected) == (1, 5)
     st.detokenize_called()
     st.tokenize_called()
@@ -169,7 +170,7 @@ async def test_an_engine_down_clear_is_counted_and_applied_even_when_the_queue_i
     monkeypatch.setattr(runtime_module, "SOURCE_QUEUE_SIZE", 1)
     rt = runtime()
     rt.queue.put_nowait(EventBatch(0.0, (stored(1, 4),), 0, 0))
-    rt.stats.tokens_queued(4)  # as the source's feeder counts what it queues
+    rt.stats.queued(4, 1)  # as the source's feeder counts what it queues
     rt._on_liveness(LivenessChange.WENT_DOWN, 0.0)
     assert rt.stats.clears == {"engine_down": 1}
     assert rt.readiness() == "engine_down" and rt.queue.qsize() == 1
@@ -200,21 +201,22 @@ async def test_a_batch_dropped_last_clears_the_tracker_once_the_pump_made_room(
     rt.hub.close()
 
 
-async def test_the_pump_gives_back_the_tokens_it_takes_and_counts_engine_clears() -> None:
+async def test_the_pump_gives_back_the_tokens_and_hashes_it_takes_and_counts_engine_clears() -> None:
     rt = runtime()
     feeder = QueueFeeder(rt.queue, rt.stats, BACKEND)
     assert feeder.put(EventBatch(0.0, (stored(1, 4), stored(2, 4)), 0, 0))
-    assert feeder.put(EventBatch(0.0, (AllBlocksCleared(),), 0, 1))
-    assert rt.stats.queued_tokens == 8
+    assert feeder.put(EventBatch(0.0, (BlockRemoved(block_hashes=(1, 2, 3)),), 0, 1))
+    assert feeder.put(EventBatch(0.0, (AllBlocksCleared(),), 0, 2))
+    assert (rt.stats.queued_tokens, rt.stats.queued_hashes) == (8, 5)
     pump = asyncio.create_task(rt._pump())
     try:
         async with asyncio.timeout(5):
-            while not rt.queue.empty() or rt.stats.queued_tokens:
-                await asyncio.sleep(0)  # yield until the pump took both batches
+            while not rt.queue.empty() or rt.stats.queued_tokens or rt.stats.queued_hashes:
+                await asyncio.sleep(0)  # yield until the pump took every batch
     finally:
         pump.cancel()
         rt.hub.close()
-    assert rt.stats.queued_tokens == 0
+    assert (rt.stats.queued_tokens, rt.stats.queued_hashes) == (0, 0)
     assert rt.stats.clears == {"engine_cleared": 1}
 
 

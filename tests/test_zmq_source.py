@@ -13,7 +13,7 @@ import zmq
 from structlog.testing import capture_logs
 
 from kv_listener.config import SourceConfig
-from kv_listener.core.limits import Limits, batch_tokens
+from kv_listener.core.limits import Limits, batch_weight
 from kv_listener.core.model import (
     BlockRemoved,
     BlockStored,
@@ -727,13 +727,36 @@ def test_the_queue_is_bounded_in_token_ids_too() -> None:
     assert not feeder.put(batch(50))  # would hold 110 tokens
     assert stats.events_dropped == {"queue_overflow": 1}
     taken = queue.get_nowait()
-    stats.queued_tokens -= batch_tokens(taken)  # what the daemon's pump does
+    stats.queued_tokens -= batch_weight(taken)[0]  # what the daemon's pump does
     assert feeder.put(batch(50))
     assert queue.get_nowait() == SourceCleared(ClearReason.OVERFLOW)
     last = queue.get_nowait()
-    assert batch_tokens(last) == 50
-    stats.queued_tokens -= batch_tokens(last)
+    assert batch_weight(last) == (50, 1)
+    stats.queued_tokens -= batch_weight(last)[0]
     assert feeder.put(batch(200))  # alone in the queue, any size is taken (the caps bound it)
+
+
+def test_the_queue_is_bounded_in_block_hashes_too() -> None:
+    # Removals carry no token IDs: before this bound, 10,000 queued batches of 8 MiB frames of
+    # BlockRemoved hashes (about 48 B each decoded) were bounded by nothing but their count.
+    # With the default bounds the queue takes batches until they hold 262,144 block hashes,
+    # stored or removed; the next one is dropped and a clear is owed.
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="vllm")
+    feeder = QueueFeeder(queue, stats, "vllm-1")
+    hashes = tuple(range(65_536))  # the per-event cap; one tuple shared by every event
+    removal = EventBatch(ts=0.0, events=(BlockRemoved(block_hashes=hashes),) * 2)
+    stored = EventBatch(ts=0.0, events=(BlockStored(
+        block_hashes=hashes, parent_hash=None, token_ids=array("I", [1] * 16), block_size=1),))
+    assert [feeder.put(removal), feeder.put(stored)] == [True, True]
+    assert not feeder.put(removal), "a batch past 262,144 queued block hashes was queued"
+    assert stats.events_dropped == {"queue_overflow": 2} and feeder.overflowed
+    assert (stats.queued_hashes, stats.queued_tokens, batch_weight(removal)) == (196_608, 16, (0, 131_072))
+    first = queue.get_nowait()
+    stats.queued(*(-n for n in batch_weight(first)))  # what the daemon's pump does
+    assert feeder.put(removal)
+    assert [queue.get_nowait() for _ in range(3)] == [stored, SourceCleared(ClearReason.OVERFLOW),
+                                                      removal]
 
 
 async def test_a_busy_port_is_retried_with_the_doubling_backoff(

@@ -2,7 +2,7 @@
 
 They live in the core, with the decoder and the tracker that enforce them, so that the core
 imports no configuration module: `kv_listener.config` reads and validates them from YAML and
-hands this frozen value over. `batch_tokens` is what a source's queue bound counts.
+hands this frozen value over. `batch_weight` is what a source's queue bounds count.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kv_listener.core.decode import DEFAULT_MAX_EVENT_HASHES, DEFAULT_MAX_EVENT_TOKENS
-from kv_listener.core.model import BlockStored, EventBatch, SourceItem
+from kv_listener.core.model import BlockRemoved, BlockStored, EventBatch, SourceItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,13 +26,19 @@ class Limits:
     max_event_hashes: int = DEFAULT_MAX_EVENT_HASHES
 
 
-def batch_tokens(item: SourceItem) -> int:
-    """Token IDs held by a queue item (what a source's `stats.queued_tokens` counts): taken
-    twice per batch (queued, then applied), so it is here, compiled with the core (setup.py)."""
+def batch_weight(item: SourceItem) -> tuple[int, int]:
+    """(token IDs, block hashes) held by a queue item: what a source's queue bounds count
+    (`stats.queued_tokens`, `stats.queued_hashes`). The hashes are those of stored and of
+    removed blocks: a removal carries no token IDs, so only this count bounds a queue of them.
+    Taken twice per batch (queued, then applied), so it is here, compiled with the core
+    (setup.py), and one pass gives both."""
     if not isinstance(item, EventBatch):
-        return 0
-    n = 0
+        return 0, 0
+    tokens = hashes = 0
     for ev in item.events:
         if type(ev) is BlockStored:
-            n += len(ev.token_ids)
-    return n
+            tokens += len(ev.token_ids)
+            hashes += len(ev.block_hashes)
+        elif type(ev) is BlockRemoved:
+            hashes += len(ev.block_hashes)
+    return tokens, hashes

@@ -107,6 +107,7 @@ def source_stats_entry(
         "tokens_retained": tokens_retained,
         "prefixes_live": prefixes_live,
         "queued_tokens": stats.queued_tokens,
+        "queued_hashes": stats.queued_hashes,
         "detokenize_calls": stats.detokenize_calls,
         "tokenize_calls": stats.tokenize_calls,
         "detokenize_errors": stats.detokenize_errors.total(),

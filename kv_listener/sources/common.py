@@ -1,9 +1,10 @@
 """What both sources share: the non-blocking queue feeder and the publisher allow-list.
 
 `QueueFeeder` is the only way a source puts items on its bounded queue: it never waits for the
-consumer (`put_nowait`); when the queue is full (in batches, or in the token IDs its batches hold:
-`MAX_QUEUED_TOKENS`, counted in `stats.queued_tokens`, which the runtime's pump lowers with
-`batch_tokens` as it takes them) the item is dropped and counted, and once there is room again a
+consumer (`put_nowait`); when the queue is full (in batches, in the token IDs its batches hold:
+`MAX_QUEUED_TOKENS`, counted in `stats.queued_tokens`, or in their block hashes:
+`MAX_QUEUED_HASHES`, `stats.queued_hashes`; the runtime's pump lowers both with `batch_weight`
+as it takes them) the item is dropped and counted, and once there is room again a
 `SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent: the pump makes
 the room and calls `QueueFeeder.flush`, so the clear goes in even when no item follows.
 
@@ -22,7 +23,7 @@ from collections.abc import Iterable
 
 import structlog
 
-from kv_listener.core.limits import batch_tokens
+from kv_listener.core.limits import batch_weight
 from kv_listener.core.model import ClearReason, EventBatch, SourceCleared, SourceItem
 from kv_listener.core.sequence import SourceDropReason
 from kv_listener.stats import SourceStats
@@ -32,6 +33,10 @@ log = structlog.get_logger(__name__)
 #: Token IDs that the batches waiting in one source's queue may hold together (4 bytes each:
 #: 16 MiB), whatever the number of batches.
 MAX_QUEUED_TOKENS = 1 << 22
+#: Block hashes, stored or removed, that they may hold together (a tuple slot and a 64-bit int
+#: each, about 48 bytes decoded: 12 MiB). A removal carries no token IDs: before this bound a
+#: queue of 10,000 batches of 8 MiB removal frames was bounded by nothing else.
+MAX_QUEUED_HASHES = 1 << 18
 
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -46,14 +51,16 @@ class QueueFeeder:
     clear the full queue could not take goes in as soon as there is room, even when nothing is
     put after it (an engine that went quiet or died right after the loss)."""
 
-    __slots__ = ("_backend", "_max_tokens", "_pending", "_pending_counted", "_queue", "_stats")
+    __slots__ = ("_backend", "_max_hashes", "_max_tokens", "_pending", "_pending_counted",
+                 "_queue", "_stats")
 
     def __init__(self, queue: asyncio.Queue[SourceItem], stats: SourceStats, backend: str,
-                 max_tokens: int = MAX_QUEUED_TOKENS) -> None:
+                 max_tokens: int = MAX_QUEUED_TOKENS, max_hashes: int = MAX_QUEUED_HASHES) -> None:
         self._queue = queue
         self._stats = stats
         self._backend = backend
         self._max_tokens = max_tokens
+        self._max_hashes = max_hashes
         #: the clear the queue owes the tracker (None: none); a later loss is covered by it
         self._pending: ClearReason | None = None
         self._pending_counted = False  # its reason is already in stats.clears
@@ -69,18 +76,20 @@ class QueueFeeder:
         if not self.flush():
             self._drop(item)
             return False
-        n = batch_tokens(item)
+        n, h = batch_weight(item)
         try:
-            if n and stats.queued_tokens and stats.queued_tokens + n > self._max_tokens:
+            # An item alone in the queue is always taken: the per-frame caps bound it.
+            if ((n and stats.queued_tokens and stats.queued_tokens + n > self._max_tokens)
+                    or (h and stats.queued_hashes and stats.queued_hashes + h > self._max_hashes)):
                 raise asyncio.QueueFull
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
             self._owe(ClearReason.OVERFLOW, counted=False)
             log.warning("source_queue_full", backend=self._backend, maxsize=self._queue.maxsize,
-                        queued_tokens=stats.queued_tokens)
+                        queued_tokens=stats.queued_tokens, queued_hashes=stats.queued_hashes)
             self._drop(item)
             return False
-        stats.tokens_queued(n)
+        stats.queued(n, h)
         if isinstance(item, SourceCleared):
             stats.cleared(item.reason.value)
         return True
