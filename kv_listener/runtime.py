@@ -24,7 +24,6 @@ from typing import Any
 
 from kv_listener.backoff import Backoff
 from kv_listener.config import ListenerConfig, SourceConfig
-from kv_listener.core.limits import batch_weight
 from kv_listener.core.liveness import LivenessChange
 from kv_listener.core.model import (
     ClearReason,
@@ -206,8 +205,7 @@ class SourceRuntime:
             transitions: list[PrefixTransition] = []
             n = 0
             while True:
-                tokens, hashes = batch_weight(item)
-                self.stats.queued(-tokens, -hashes)
+                self.feeder.taken(item)
                 if isinstance(item, EventBatch):
                     # A large batch in pieces: what the pieces so far gave is published and the
                     # loop runs between them, so one source holds the others a few ms at most.

@@ -387,6 +387,29 @@ async def test_a_start_up_replay_larger_than_the_budget_comes_in_rounds() -> Non
     assert not stats.clears and stats.gaps == 0
 
 
+async def test_a_start_up_replay_longer_than_the_queue_waits_for_room_instead_of_clearing() -> None:
+    # The replay's answer is in hand: before, it went on the queue like live batches, so an
+    # engine buffer longer than the queue (vLLM keeps 10,000 batches; the queue holds 10,000 or
+    # 4 Mi tokens) overflowed it and the overflow clear wiped what the replay had rebuilt. Now
+    # the source waits for the consumer: every batch, in order, nothing dropped, no clear.
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind",
+                            replay_endpoint="tcp://127.0.0.1:0") as pub:
+        for h in range(1, 41):
+            pub.publish(payload(h))  # seqs 0-39, in the replay buffer only
+        queue: asyncio.Queue[SourceItem] = asyncio.Queue(8)
+        stats = SourceStats(engine="vllm")
+        cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode="connect",
+                     zmq_endpoint=pub.endpoint)
+        async with running(ZmqSource(cfg, queue, stats, tail_probe_s=60.0)):
+            got = [await get_batch(queue) for _ in range(40)]
+            pub.publish(payload(41))  # the live stream goes on in order
+            got.append(await get_batch(queue))
+    assert [b.seq for b in got] == list(range(41))
+    assert [hashes(b) for b in got] == [[h] for h in range(1, 42)]
+    assert (stats.startup_replay, stats.startup_replay_batches) == ("exact", 40)
+    assert not stats.clears and not stats.events_dropped
+
+
 async def test_a_gap_larger_than_the_budget_clears_instead_of_holding_it_all() -> None:
     size = len(wide(1))
     async with connected(replay=True, receive_budget_bytes=size * 5 // 2) as (pub, queue, stats, _):

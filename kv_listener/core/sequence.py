@@ -139,7 +139,7 @@ class ReplayStatus(enum.StrEnum):
     COMPLETE = "complete"  # the end marker arrived
     TIMEOUT = "timeout"  # no end marker within the timeout
     UNAVAILABLE = "unavailable"  # no replay endpoint, or the request could not be sent
-    TRUNCATED = "truncated"  # cut at the edge's byte budget before the end marker
+    TRUNCATED = "truncated"  # cut before the end marker: the edge's byte budget, or a stall
 
 
 class GapOutcome(enum.StrEnum):

@@ -6,7 +6,10 @@ consumer (`put_nowait`); when the queue is full (in batches, in the token IDs it
 `MAX_QUEUED_HASHES`, `stats.queued_hashes`; the runtime's pump lowers both with `batch_weight`
 as it takes them) the item is dropped and counted, and once there is room again a
 `SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent: the pump makes
-the room and calls `QueueFeeder.flush`, so the clear goes in even when no item follows.
+the room and calls `QueueFeeder.flush`, so the clear goes in even when no item follows. Batches a
+source already holds and nothing else waits on (a replay's answer, the live batches kept during
+it) go in with `put_waiting` instead, which waits for room: a replay of the engine's whole buffer
+(vLLM: 10,000 batches) would otherwise overflow the queue and clear what it was rebuilding.
 
 `PublisherAllowList` answers "may this peer address publish to this source?" for the entries of
 `allowed_publishers`: IP addresses, CIDR networks, and host names (resolved with the event loop's
@@ -44,7 +47,8 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 class QueueFeeder:
-    """Puts a source's items on its bounded queue without ever blocking (see module doc).
+    """Puts a source's items on its bounded queue: live ones without ever blocking, those it
+    holds already waiting for room (see module doc).
 
     One per source runtime, shared by the source (and the sources that replace it after a
     crash) and the runtime's own clears; the pump calls `flush` each time it takes items, so a
@@ -52,7 +56,7 @@ class QueueFeeder:
     put after it (an engine that went quiet or died right after the loss)."""
 
     __slots__ = ("_backend", "_max_hashes", "_max_tokens", "_pending", "_pending_counted",
-                 "_queue", "_stats")
+                 "_queue", "_room", "_stats")
 
     def __init__(self, queue: asyncio.Queue[SourceItem], stats: SourceStats, backend: str,
                  max_tokens: int = MAX_QUEUED_TOKENS, max_hashes: int = MAX_QUEUED_HASHES) -> None:
@@ -64,6 +68,7 @@ class QueueFeeder:
         #: the clear the queue owes the tracker (None: none); a later loss is covered by it
         self._pending: ClearReason | None = None
         self._pending_counted = False  # its reason is already in stats.clears
+        self._room = asyncio.Event()  # set when the pump takes an item (`taken`)
 
     @property
     def overflowed(self) -> bool:
@@ -78,9 +83,7 @@ class QueueFeeder:
             return False
         n, h = batch_weight(item)
         try:
-            # An item alone in the queue is always taken: the per-frame caps bound it.
-            if ((n and stats.queued_tokens and stats.queued_tokens + n > self._max_tokens)
-                    or (h and stats.queued_hashes and stats.queued_hashes + h > self._max_hashes)):
+            if self._over(n, h):
                 raise asyncio.QueueFull
             self._queue.put_nowait(item)
         except asyncio.QueueFull:
@@ -93,6 +96,45 @@ class QueueFeeder:
         if isinstance(item, SourceCleared):
             stats.cleared(item.reason.value)
         return True
+
+    async def put_waiting(self, item: SourceItem) -> None:
+        """Queue `item`, waiting for room instead of dropping it (after the clear owed, if any):
+        for batches the source holds in memory already, bounded by its receive budget, while
+        the engine keeps the ones behind them. Room in token IDs and hashes is made by the pump
+        (`taken`), room in count by any `get`."""
+        n, h = batch_weight(item)
+        while self._over(n, h):
+            self._room.clear()
+            await self._room.wait()
+        reason = self._pending
+        if reason is not None:
+            counted = self._pending_counted
+            self._pending = None  # claimed: `flush` must not queue it a second time meanwhile
+            try:
+                await self._queue.put(SourceCleared(reason))
+            except BaseException:
+                self._owe(reason, counted=counted)  # cancelled before it went in: still owed
+                raise
+            if not counted:
+                self._stats.cleared(reason.value)
+            if reason is ClearReason.OVERFLOW:
+                log.warning("source_overflow_cleared", backend=self._backend)
+        await self._queue.put(item)
+        self._stats.queued(n, h)
+
+    def taken(self, item: SourceItem) -> None:
+        """The pump took `item` off the queue: its token IDs and hashes no longer count, and a
+        `put_waiting` may go on."""
+        n, h = batch_weight(item)
+        self._stats.queued(-n, -h)
+        self._room.set()
+
+    def _over(self, n: int, h: int) -> bool:
+        # Past a bound of tokens or hashes; an item alone in the queue is always taken (the
+        # per-frame caps bound it).
+        stats = self._stats
+        return bool((n and stats.queued_tokens and stats.queued_tokens + n > self._max_tokens)
+                    or (h and stats.queued_hashes and stats.queued_hashes + h > self._max_hashes))
 
     def put_clear(self, reason: ClearReason) -> None:
         """A clear decided outside the source (its engine down, the source restarted): counted

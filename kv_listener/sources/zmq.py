@@ -18,15 +18,17 @@ next replay's). A batch lost right before the engine goes quiet shows no gap, so
 
 Peers (who may publish, whether one is connected) are `sources.zmq_peers`'.
 
-Receiving never waits for downstream work: items go on the bounded queue with `put_nowait`
-(`QueueFeeder`): a full queue drops and counts, then queues `SourceCleared(overflow)`.
+Receiving live batches never waits for downstream work: they go on the bounded queue with
+`put_nowait` (`QueueFeeder`): a full queue drops and counts, then queues `SourceCleared(overflow)`.
+Batches already in hand (a replay's answer, bounded by the receive budget, and the live batches
+kept meanwhile, `sources.zmq_backlog`) wait for room instead: the engine's whole replay buffer is
+more than the queue holds, and overflowing would clear what the replay was rebuilding.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +53,7 @@ from kv_listener.core.sequence import (
     replay_request,
 )
 from kv_listener.sources.common import PublisherAllowList, QueueFeeder
+from kv_listener.sources.zmq_backlog import LiveBacklog
 from kv_listener.sources.zmq_peers import (
     MONITORED,
     ZAP_DOMAIN,
@@ -83,6 +86,8 @@ _MIN_RCVHWM = 4
 _MAX_RCVHWM = 100_000
 #: `_replay`'s upper bound when the whole buffer is wanted (start-up).
 _ALL_SEQS = 1 << 63
+#: Silence that ends a replay's answer once replies began (`ZmqSource._replay`).
+REPLAY_STALL_S = 0.5
 #: Silence after which a source with a replay endpoint asks the engine once for what follows its
 #: last batch (`ZmqSource._probe_tail`).
 TAIL_PROBE_S = 2.0
@@ -121,10 +126,8 @@ class ZmqSource:
         self._seq = SequenceTracker()
         self._new_stream = False  # set by expect_new_stream, applied at the next live batch
         self._replay_timeout_s = replay_timeout_s
-        self._max_backlog = max_replay_backlog
         self._budget = receive_budget_bytes
-        self._backlog: deque[list[bytes]] = deque()
-        self._backlog_bytes = 0
+        self._backlog = LiveBacklog(max_replay_backlog, receive_budget_bytes)
         self._tail_probe_s = tail_probe_s
         self._tail_probed = False  # since the last live batch
         self._live_fut: asyncio.Future[list[bytes]] | None = None
@@ -185,16 +188,14 @@ class ZmqSource:
             if self._dealer is not None:
                 await self._startup_replay(sub)
             while True:
-                if self._backlog:
-                    frames = self._backlog.popleft()
-                    self._backlog_bytes -= _size(frames)
-                else:
-                    got = await self._next_live(sub)
-                    if got is None:
-                        await self._probe_tail(sub)
-                        continue
-                    frames = got
-                await self._handle(sub, frames)
+                if self._backlog:  # kept during a replay: in hand, so it waits for room
+                    await self._handle(sub, self._backlog.popleft(), in_hand=True)
+                    continue
+                got = await self._next_live(sub)
+                if got is None:
+                    await self._probe_tail(sub)
+                    continue
+                await self._handle(sub, got)
         finally:
             self.stats.attached(False)
             self.ready.clear()
@@ -322,11 +323,12 @@ class ZmqSource:
                           replayed="exact" if covered else "partial")
         self.stats.replay_ended(covered=covered)
         self._seq.expect(last + 1)
-        self._drop_replayed(last)
+        self._backlog.drop_covered(last)
 
     # --- live batches -------------------------------------------------------------------
 
-    async def _handle(self, sub: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    async def _handle(self, sub: zmq.asyncio.Socket, frames: list[bytes], *,
+                      in_hand: bool = False) -> None:
         try:
             _topic, seq, payload = parse_event_frames(frames)
         except FrameError as exc:
@@ -342,17 +344,20 @@ class ZmqSource:
                 self._seq.expect(0)
         decision = self._seq.observe(seq)
         if decision.action is SeqAction.APPLY:
-            await self._apply(seq, payload)
+            await self._apply(seq, payload, in_hand=in_hand)
         elif decision.action is SeqAction.RESTART:
             self._log.warning("zmq_engine_restart", expected=decision.expected, got=seq)
             self._feeder.put(SourceCleared(ClearReason.ENGINE_RESTART))
             if seq > 0 and self.config.replay_endpoint is not None:
                 await self._replay_restart(sub, seq)
-            await self._apply(seq, payload)
+            await self._apply(seq, payload, in_hand=in_hand)
         else:
             await self._fill_gap(sub, decision, payload)
 
-    async def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes, *, in_hand: bool = True) -> None:
+        """Decode and queue one batch. A live one (`in_hand` False) that finds the queue full is
+        dropped behind an overflow clear; one already held (a replay's answer, the live batches
+        kept during it) waits for room: the engine's whole buffer would overflow the queue."""
         limits = self.config.limits
         if len(payload) > limits.max_message_bytes:
             # Dropped on receipt and counted, like an undecodable batch; a frame over the socket
@@ -381,7 +386,10 @@ class ZmqSource:
         self.stats.received(decoded.raw_events, len(decoded.batch.events), decoded.drops,
                             time.time())
         if decoded.batch.events:
-            self._feeder.put(decoded.batch)
+            if in_hand:
+                await self._feeder.put_waiting(decoded.batch)
+            else:
+                self._feeder.put(decoded.batch)
 
     # --- gaps and replay ----------------------------------------------------------------
 
@@ -403,7 +411,7 @@ class ZmqSource:
         batches = last - first + 1
         self._seq.expect(last + 1)
         self.stats.startup_replayed("exact" if first == 0 else "partial", batches, first)
-        self._drop_replayed(last)
+        self._backlog.drop_covered(last)
         if first == 0:
             self._log.info("zmq_startup_replay", status="exact", batches=batches, last_seq=last)
         else:
@@ -420,39 +428,34 @@ class ZmqSource:
         request ended. `before_first(seq)` runs before the first batch is applied. What one
         request holds is bounded by the receive budget: a request cut there (`TRUNCATED`) is
         applied and followed by one from where it stopped, so the engine's whole buffer (vLLM:
-        10,000 batches of up to `max_message_bytes`) never sits in memory at once."""
+        10,000 batches of up to `max_message_bytes`) never sits in memory at once. So is a
+        request whose answer has a hole or stalls after a batch: vLLM's ROUTER sends its whole
+        buffer at once and drops what the queue toward this DEALER cannot take (its high-water
+        mark, 1,000 messages, and ours), so a reader slower than that loop gets the rest on a
+        second request. A request whose first batch does not continue the run ends it."""
         first: int | None = None
         last: int | None = None
         while True:
             if self._dealer is None:
                 self._dealer = self._new_dealer()
             replayed, status = await self._replay(sub, self._dealer, start, _ALL_SEQS)
+            before = last
             for seq, payload in sorted(replayed):
                 if last is not None and seq != last + 1:
-                    return first, last, status  # a hole: the rest cannot be applied in order
+                    if last == before:
+                        return first, last, status  # the buffer does not continue the run
+                    status = ReplayStatus.TRUNCATED  # a hole: ask again from where it is
+                    self._close_dealer()  # the rest of this answer would be read as the next's
+                    break
                 if first is None:
                     first = seq
                     if before_first is not None:
                         before_first(seq)
                 await self._apply(seq, payload)
                 last = seq
-            if status is not ReplayStatus.TRUNCATED or last is None:
+            if status is not ReplayStatus.TRUNCATED or last is None or last == before:
                 return first, last, status
             start = last + 1
-
-    def _drop_replayed(self, last: int) -> None:
-        """Skip the live batches kept during a replay that it already covered (seq <= `last`)."""
-        kept: deque[list[bytes]] = deque()
-        for frames in self._backlog:
-            try:
-                _topic, seq, _payload = parse_event_frames(frames)
-            except FrameError:
-                kept.append(frames)  # counted when handled
-                continue
-            if seq > last:
-                kept.append(frames)
-        self._backlog = kept
-        self._backlog_bytes = sum(_size(frames) for frames in kept)
 
     async def _replay_restart(self, sub: zmq.asyncio.Socket, seq: int) -> None:
         """The restarted engine's first batch seen is `seq` > 0: its batches 0..seq-1 were lost
@@ -508,10 +511,13 @@ class ZmqSource:
         self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket, start: int, got: int
     ) -> tuple[list[tuple[int, bytes]], ReplayStatus]:
         """Ask the engine for `start..` and read replies until the end marker, the deadline, the
-        receive budget (`TRUNCATED`), or an error, while live batches keep being received into
-        the backlog."""
+        receive budget or `REPLAY_STALL_S` without a reply once they began (`TRUNCATED`: the
+        engine sends its answer in one loop, so a pause is the rest dropped on the way, end
+        marker included), or an error, while live batches keep being received into the
+        backlog."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._replay_timeout_s
+        stalled_at: float | None = None  # once replies began: when the answer counts as cut
         replayed: list[tuple[int, bytes]] = []
         replayed_bytes = 0
         status = ReplayStatus.TIMEOUT
@@ -519,9 +525,13 @@ class ZmqSource:
         reply_fut: asyncio.Future[list[bytes]] | None = None
         try:
             while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
+                now = loop.time()
+                if now >= deadline:
                     break
+                if stalled_at is not None and now >= stalled_at:
+                    status = ReplayStatus.TRUNCATED
+                    break
+                remaining = min(deadline, stalled_at or deadline) - now
                 if self._live_fut is None:
                     self._live_fut = _recv(sub)
                 if send_fut is None and reply_fut is None:
@@ -534,17 +544,7 @@ class ZmqSource:
                 if self._live_fut in done:
                     frames = self._live_fut.result()
                     self._live_fut = None
-                    size = _size(frames)
-                    if not self._backlog or (len(self._backlog) < self._max_backlog
-                                             and self._backlog_bytes + size <= self._budget):
-                        self._backlog.append(frames)
-                        self._backlog_bytes += size
-                    else:
-                        # Lost like a high-water-mark drop, but the newest batch takes the last
-                        # place: the backlog ends with it, so its seq shows the gap even when
-                        # the engine sends nothing more (a lost tail would go unnoticed).
-                        self._backlog_bytes += size - _size(self._backlog[-1])
-                        self._backlog[-1] = frames
+                    if not self._backlog.keep(frames):  # the newest kept, the one before lost
                         self.stats.dropped(SourceDropReason.REPLAY_BACKLOG_OVERFLOW.value)
                 if send_fut is not None and send_fut in done:
                     send_fut.result()
@@ -552,6 +552,7 @@ class ZmqSource:
                 if reply_fut is not None and reply_fut in done:
                     frames = reply_fut.result()
                     reply_fut = None
+                    stalled_at = loop.time() + REPLAY_STALL_S
                     try:
                         reply = parse_replay_frames(frames)
                     except FrameError as exc:
@@ -581,10 +582,6 @@ class ZmqSource:
         if status is ReplayStatus.TIMEOUT:
             self._log.warning("zmq_replay_timeout", start=start, received=len(replayed))
         return replayed, status
-
-
-def _size(frames: list[bytes]) -> int:
-    return sum(len(frame) for frame in frames)
 
 
 def _recv(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:

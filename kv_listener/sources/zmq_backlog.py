@@ -1,0 +1,62 @@
+"""The live batches a ZMQ source keeps while a replay is in flight (`LiveBacklog`).
+
+Bounded in count (`max_replay_backlog`) and in bytes (the receive budget); past either, the batch
+before the newest is lost, like a high-water-mark drop, and the newest takes its place: the
+backlog always ends with the newest batch, so its seq shows the gap even when the engine sends
+nothing more (a lost tail would otherwise go unnoticed).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from kv_listener.core.sequence import FrameError, parse_event_frames
+
+
+def frames_size(frames: list[bytes]) -> int:
+    return sum(len(frame) for frame in frames)
+
+
+class LiveBacklog:
+    __slots__ = ("_frames", "_max_bytes", "_max_count", "nbytes")
+
+    def __init__(self, max_count: int, max_bytes: int) -> None:
+        self._frames: deque[list[bytes]] = deque()
+        self._max_count = max_count
+        self._max_bytes = max_bytes
+        self.nbytes = 0  # what the kept frames take
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def keep(self, frames: list[bytes]) -> bool:
+        """Keep `frames`; False when that cost the batch kept last (see module doc)."""
+        size = frames_size(frames)
+        kept = self._frames
+        if not kept or (len(kept) < self._max_count and self.nbytes + size <= self._max_bytes):
+            kept.append(frames)
+            self.nbytes += size
+            return True
+        self.nbytes += size - frames_size(kept[-1])
+        kept[-1] = frames
+        return False
+
+    def popleft(self) -> list[bytes]:
+        frames = self._frames.popleft()
+        self.nbytes -= frames_size(frames)
+        return frames
+
+    def drop_covered(self, last: int) -> None:
+        """Forget the batches a replay already covered (seq <= `last`); frames that do not
+        parse stay, to be counted when handled."""
+        kept: deque[list[bytes]] = deque()
+        for frames in self._frames:
+            try:
+                _topic, seq, _payload = parse_event_frames(frames)
+            except FrameError:
+                kept.append(frames)
+                continue
+            if seq > last:
+                kept.append(frames)
+        self._frames = kept
+        self.nbytes = sum(frames_size(frames) for frames in kept)
