@@ -22,8 +22,9 @@ batch that must still come through (the daemon is alive and in order):
 Printed: the daemon's RSS (VmRSS) and peak RSS (VmHWM) after each phase, the baseline, and the
 per-source bound the man page states (max_tracked_blocks x 550 B at worst + max_retained_tokens x 4 B +
 44 MiB of queues + one frame being received, 2 x max_message_bytes, + its decoded form, at most 8 x
-max_message_bytes, + 48 MiB + 12 x max_message_bytes of frames received and not handled yet:
-libzmq's queue, a replay's backlog and its answer). Not a test: figures, measured in one run.
+max_message_bytes, + 64 MiB + 14 x max_message_bytes of frames received and not handled yet:
+libzmq's queues (SUB and replay DEALER), a replay's backlog and its answer). Not a test:
+figures, measured in one run.
 
 Run: .venv/bin/python bench/hostile.py
 """
@@ -59,8 +60,9 @@ MAX_MESSAGE = 8 << 20
 BURST_FRAMES = 120
 BEHIND_FRAMES = 40
 #: frames received and not handled yet: libzmq's receive queue (the budget, or 4 frames of the
-#: 2 x max_message_bytes socket cap), a replay's backlog and its answer (the budget and a frame)
-RECEIVED_MIB = 3 * RECEIVE_BUDGET_BYTES / 2**20 + 12 * MAX_MESSAGE / 2**20
+#: 2 x max_message_bytes socket cap), its replay DEALER's (the budget, or 1 frame), a replay's
+#: backlog and its answer (the budget and a frame each)
+RECEIVED_MIB = 4 * RECEIVE_BUDGET_BYTES / 2**20 + 14 * MAX_MESSAGE / 2**20
 
 
 def mem_kib(pid: int) -> tuple[int, int]:

@@ -266,6 +266,10 @@ class ZmqSource:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.linger = 0
         dealer.maxmsgsize = self._socket_cap
+        # Replies libzmq receives ahead of `_replay`: at most the budget or one frame (libzmq's
+        # default, 1,000 frames of up to the cap, was outside any bound). The engine's ROUTER
+        # drops what does not fit; `_replay` stops at the hole and the run asks again.
+        dealer.rcvhwm = max(1, min(_MAX_RCVHWM, self._budget // self._socket_cap))
         dealer.ipv6 = wants_ipv6(self.config.replay_endpoint)
         dealer.connect(self.config.replay_endpoint)
         return dealer
@@ -511,10 +515,10 @@ class ZmqSource:
         self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket, start: int, got: int
     ) -> tuple[list[tuple[int, bytes]], ReplayStatus]:
         """Ask the engine for `start..` and read replies until the end marker, the deadline, the
-        receive budget or `REPLAY_STALL_S` without a reply once they began (`TRUNCATED`: the
-        engine sends its answer in one loop, so a pause is the rest dropped on the way, end
-        marker included), or an error, while live batches keep being received into the
-        backlog."""
+        receive budget, a hole, or `REPLAY_STALL_S` without a reply once they began
+        (`TRUNCATED`: the engine sends its answer in one loop, so a hole or a pause is what was
+        dropped on the way, the end marker included), or an error, while live batches keep
+        being received into the backlog."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._replay_timeout_s
         stalled_at: float | None = None  # once replies began: when the answer counts as cut
@@ -564,7 +568,8 @@ class ZmqSource:
                     # Keep only what can be used (start..got-1), and at most the receive
                     # budget (and one reply): bounded memory whatever the engine's buffer holds.
                     if start <= reply[0] < got:
-                        if replayed and replayed_bytes + len(reply[1]) > self._budget:
+                        if replayed and (replayed_bytes + len(reply[1]) > self._budget
+                                         or reply[0] != replayed[-1][0] + 1):  # or a hole
                             status = ReplayStatus.TRUNCATED
                             break
                         replayed.append(reply)
