@@ -54,6 +54,8 @@ from kv_listener.core.sequence import (
 )
 from kv_listener.sources.common import PublisherAllowList, QueueFeeder
 from kv_listener.sources.zmq_backlog import LiveBacklog
+from kv_listener.sources.zmq_backlog import recv_future as _recv
+from kv_listener.sources.zmq_backlog import send_future as _send
 from kv_listener.sources.zmq_peers import (
     MONITORED,
     ZAP_DOMAIN,
@@ -432,11 +434,9 @@ class ZmqSource:
         request ended. `before_first(seq)` runs before the first batch is applied. What one
         request holds is bounded by the receive budget: a request cut there (`TRUNCATED`) is
         applied and followed by one from where it stopped, so the engine's whole buffer (vLLM:
-        10,000 batches of up to `max_message_bytes`) never sits in memory at once. So is a
-        request whose answer has a hole or stalls after a batch: vLLM's ROUTER sends its whole
-        buffer at once and drops what the queue toward this DEALER cannot take (its high-water
-        mark, 1,000 messages, and ours), so a reader slower than that loop gets the rest on a
-        second request. A request whose first batch does not continue the run ends it."""
+        10,000 batches of up to `max_message_bytes`) never sits in memory at once; so is one
+        cut at a hole or a stall (`_replay`: vLLM 0.32's ROUTER drops what the queue toward
+        this DEALER cannot take). A request whose first batch does not continue the run ends it."""
         first: int | None = None
         last: int | None = None
         while True:
@@ -444,13 +444,9 @@ class ZmqSource:
                 self._dealer = self._new_dealer()
             replayed, status = await self._replay(sub, self._dealer, start, _ALL_SEQS)
             before = last
-            for seq, payload in sorted(replayed):
+            for seq, payload in replayed:  # consecutive: `_replay` stops at a hole
                 if last is not None and seq != last + 1:
-                    if last == before:
-                        return first, last, status  # the buffer does not continue the run
-                    status = ReplayStatus.TRUNCATED  # a hole: ask again from where it is
-                    self._close_dealer()  # the rest of this answer would be read as the next's
-                    break
+                    return first, last, status  # the buffer does not continue the run
                 if first is None:
                     first = seq
                     if before_first is not None:
@@ -467,7 +463,7 @@ class ZmqSource:
         are in its replay buffer: apply the run of them that ends right before `seq`."""
         if self._dealer is None:
             self._dealer = self._new_dealer()
-        replayed, status = await self._replay(sub, self._dealer, 0, seq)
+        replayed, status = await self._replay(sub, self._dealer, 0, seq, holes_end=False)
         run: list[tuple[int, bytes]] = []
         for item in reversed(replayed):
             if item[0] != (run[-1][0] if run else seq) - 1:
@@ -498,6 +494,16 @@ class ZmqSource:
             status = ReplayStatus.UNAVAILABLE
         else:
             replayed, status = await self._replay(sub, self._dealer, expected, decision.got)
+            # Cut at the budget or a hole: the run from the start is applied, the rest asked for.
+            while (status is ReplayStatus.TRUNCATED and replayed and replayed[0][0] == expected
+                   and (nxt := replayed[-1][0] + 1) < decision.got):
+                for seq, item in replayed:
+                    await self._apply(seq, item)
+                expected = nxt
+                decision = SeqDecision(decision.action, decision.got, expected)
+                self._seq.expect(expected)
+                dealer = self._dealer = self._dealer or self._new_dealer()
+                replayed, status = await self._replay(sub, dealer, expected, decision.got)
         plan = self._seq.fill_gap(decision, payload, replayed, status)
         if plan.clear:
             if plan.outcome is not GapOutcome.NO_REPLAY:
@@ -512,13 +518,15 @@ class ZmqSource:
             await self._apply(seq, item)
 
     async def _replay(
-        self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket, start: int, got: int
+        self, sub: zmq.asyncio.Socket, dealer: zmq.asyncio.Socket, start: int, got: int,
+        *, holes_end: bool = True,
     ) -> tuple[list[tuple[int, bytes]], ReplayStatus]:
         """Ask the engine for `start..` and read replies until the end marker, the deadline, the
         receive budget, a hole, or `REPLAY_STALL_S` without a reply once they began
         (`TRUNCATED`: the engine sends its answer in one loop, so a hole or a pause is what was
         dropped on the way, the end marker included), or an error, while live batches keep
-        being received into the backlog."""
+        being received into the backlog. Without `holes_end`, replies after a hole are kept
+        (`_replay_restart` wants the run that ends right before `got`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._replay_timeout_s
         stalled_at: float | None = None  # once replies began: when the answer counts as cut
@@ -568,8 +576,8 @@ class ZmqSource:
                     # Keep only what can be used (start..got-1), and at most the receive
                     # budget (and one reply): bounded memory whatever the engine's buffer holds.
                     if start <= reply[0] < got:
-                        if replayed and (replayed_bytes + len(reply[1]) > self._budget
-                                         or reply[0] != replayed[-1][0] + 1):  # or a hole
+                        if replayed and (replayed_bytes + len(reply[1]) > self._budget or (
+                                holes_end and reply[0] != replayed[-1][0] + 1)):
                             status = ReplayStatus.TRUNCATED
                             break
                         replayed.append(reply)
@@ -588,12 +596,3 @@ class ZmqSource:
             self._log.warning("zmq_replay_timeout", start=start, received=len(replayed))
         return replayed, status
 
-
-def _recv(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:
-    fut: asyncio.Future[list[bytes]] = sock.recv_multipart()  # type: ignore[assignment]
-    return fut
-
-
-def _send(sock: zmq.asyncio.Socket, frames: list[bytes]) -> asyncio.Future[Any]:
-    fut: asyncio.Future[Any] = sock.send_multipart(frames)  # type: ignore[assignment]
-    return fut

@@ -1,4 +1,5 @@
-"""The live batches a ZMQ source keeps while a replay is in flight (`LiveBacklog`).
+"""The live batches a ZMQ source keeps while a replay is in flight (`LiveBacklog`), and the
+typed pyzmq futures its receive and replay loops wait on.
 
 Bounded in count (`max_replay_backlog`) and in bytes (the receive budget); past either, the batch
 before the newest is lost, like a high-water-mark drop, and the newest takes its place: the
@@ -8,9 +9,23 @@ nothing more (a lost tail would otherwise go unnoticed).
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
+from typing import Any
+
+import zmq.asyncio
 
 from kv_listener.core.sequence import FrameError, parse_event_frames
+
+
+def recv_future(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:
+    fut: asyncio.Future[list[bytes]] = sock.recv_multipart()  # type: ignore[assignment]
+    return fut
+
+
+def send_future(sock: zmq.asyncio.Socket, frames: list[bytes]) -> asyncio.Future[Any]:
+    fut: asyncio.Future[Any] = sock.send_multipart(frames)  # type: ignore[assignment]
+    return fut
 
 
 def frames_size(frames: list[bytes]) -> int:
