@@ -809,6 +809,31 @@ def test_the_queue_is_bounded_in_block_hashes_too() -> None:
                                                       removal]
 
 
+async def test_a_batch_in_hand_waits_for_room_behind_the_clear_owed() -> None:
+    # put_waiting (a replay's answer) never drops: it waits until the pump has taken enough
+    # tokens (`taken`), then queues the clear owed by an earlier loss, then the batch.
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="vllm")
+    feeder = QueueFeeder(queue, stats, "vllm-1", max_tokens=100)
+
+    def batch(n: int) -> EventBatch:
+        ev = BlockStored(block_hashes=(n,), parent_hash=None, token_ids=array("I", [1] * n),
+                         block_size=n)
+        return EventBatch(ts=0.0, events=(ev,))
+
+    first, lost, in_hand = batch(60), batch(50), batch(45)
+    assert feeder.put(first) and not feeder.put(lost) and feeder.overflowed
+    waiting = asyncio.create_task(feeder.put_waiting(in_hand))
+    await asyncio.sleep(0)  # it runs up to its wait: 60 + 45 tokens would pass the bound
+    assert not waiting.done() and queue.qsize() == 1
+    feeder.taken(queue.get_nowait())  # what the pump does
+    async with asyncio.timeout(TIMEOUT):
+        await waiting
+    assert [queue.get_nowait() for _ in range(2)] == [SourceCleared(ClearReason.OVERFLOW), in_hand]
+    assert not feeder.overflowed and stats.clears == {"overflow": 1}
+    assert (stats.queued_tokens, stats.queued_hashes) == (45, 1)
+
+
 async def test_a_busy_port_is_retried_with_the_doubling_backoff(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # The bind/connect retry is kv_listener.backoff.Backoff: first delay, doubling, capped.
