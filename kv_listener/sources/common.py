@@ -1,10 +1,10 @@
-"""What both sources share: the non-blocking queue feeder and the publisher allow-list.
+"""What both sources share: the queue feeder and the publisher allow-list.
 
-`QueueFeeder` is the only way a source puts items on its bounded queue: it never waits for the
-consumer (`put_nowait`); when the queue is full (in batches, in the token IDs its batches hold:
-`MAX_QUEUED_TOKENS`, counted in `stats.queued_tokens`, or in their block hashes:
-`MAX_QUEUED_HASHES`, `stats.queued_hashes`; the runtime's pump lowers both with `batch_weight`
-as it takes them) the item is dropped and counted, and once there is room again a
+`QueueFeeder` is the only way a source puts items on its bounded queue: a live item never waits
+for the consumer (`put_nowait`); when the queue is full (in batches, in the token IDs its batches
+hold: `MAX_QUEUED_TOKENS`, counted in `stats.queued_tokens`, or in their block hashes:
+`MAX_QUEUED_HASHES`, `stats.queued_hashes`; the runtime's pump lowers both with
+`QueueFeeder.taken` as it takes them) the item is dropped and counted, and once there is room again a
 `SourceCleared(OVERFLOW)` goes in before anything else, so a loss is never silent: the pump makes
 the room and calls `QueueFeeder.flush`, so the clear goes in even when no item follows. Batches a
 source already holds and nothing else waits on (a replay's answer, the live batches kept during
