@@ -761,29 +761,34 @@ async def test_ipv6_loopback_bind_and_allow_list() -> None:
     assert stats.refused_publishers == 0
 
 
+def token_batch(n: int) -> EventBatch:
+    """One one-block chain of `n` token IDs (hash `n`)."""
+    ev = BlockStored(block_hashes=(n,), parent_hash=None, token_ids=array("I", [1] * n),
+                     block_size=n)
+    return EventBatch(ts=0.0, events=(ev,))
+
+
+def feeder_of_100_tokens() -> tuple[asyncio.Queue[SourceItem], SourceStats, QueueFeeder]:
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
+    stats = SourceStats(engine="vllm")
+    return queue, stats, QueueFeeder(queue, stats, "vllm-1", max_tokens=100)
+
+
 def test_the_queue_is_bounded_in_token_ids_too() -> None:
     # Few batches can hold many tokens: the queue refuses a batch once the queued ones hold
     # max_tokens token IDs, and the loss is announced by an overflow clear (issue #11).
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-    stats = SourceStats(engine="vllm")
-    feeder = QueueFeeder(queue, stats, "vllm-1", max_tokens=100)
-
-    def batch(n: int) -> EventBatch:
-        ev = BlockStored(block_hashes=(n,), parent_hash=None, token_ids=array("I", [1] * n),
-                         block_size=n)
-        return EventBatch(ts=0.0, events=(ev,))
-
-    assert feeder.put(batch(60)) and stats.queued_tokens == 60
-    assert not feeder.put(batch(50))  # would hold 110 tokens
+    queue, stats, feeder = feeder_of_100_tokens()
+    assert feeder.put(token_batch(60)) and stats.queued_tokens == 60
+    assert not feeder.put(token_batch(50))  # would hold 110 tokens
     assert stats.events_dropped == {"queue_overflow": 1}
     taken = queue.get_nowait()
     stats.queued_tokens -= batch_weight(taken)[0]  # what the daemon's pump does
-    assert feeder.put(batch(50))
+    assert feeder.put(token_batch(50))
     assert queue.get_nowait() == SourceCleared(ClearReason.OVERFLOW)
     last = queue.get_nowait()
     assert batch_weight(last) == (50, 1)
     stats.queued_tokens -= batch_weight(last)[0]
-    assert feeder.put(batch(200))  # alone in the queue, any size is taken (the caps bound it)
+    assert feeder.put(token_batch(200))  # alone in the queue, any size is taken (the caps bound it)
 
 
 def test_the_queue_is_bounded_in_block_hashes_too() -> None:
@@ -812,16 +817,8 @@ def test_the_queue_is_bounded_in_block_hashes_too() -> None:
 async def test_a_batch_in_hand_waits_for_room_behind_the_clear_owed() -> None:
     # put_waiting (a replay's answer) never drops: it waits until the pump has taken enough
     # tokens (`taken`), then queues the clear owed by an earlier loss, then the batch.
-    queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-    stats = SourceStats(engine="vllm")
-    feeder = QueueFeeder(queue, stats, "vllm-1", max_tokens=100)
-
-    def batch(n: int) -> EventBatch:
-        ev = BlockStored(block_hashes=(n,), parent_hash=None, token_ids=array("I", [1] * n),
-                         block_size=n)
-        return EventBatch(ts=0.0, events=(ev,))
-
-    first, lost, in_hand = batch(60), batch(50), batch(45)
+    queue, stats, feeder = feeder_of_100_tokens()
+    first, lost, in_hand = token_batch(60), token_batch(50), token_batch(45)
     assert feeder.put(first) and not feeder.put(lost) and feeder.overflowed
     waiting = asyncio.create_task(feeder.put_waiting(in_hand))
     await asyncio.sleep(0)  # it runs up to its wait: 60 + 45 tokens would pass the bound
