@@ -115,10 +115,7 @@ class QueueFeeder:
             except BaseException:
                 self._owe(reason, counted=counted)  # cancelled before it went in: still owed
                 raise
-            if not counted:
-                self._stats.cleared(reason.value)
-            if reason is ClearReason.OVERFLOW:
-                log.warning("source_overflow_cleared", backend=self._backend)
+            self._owed_clear_queued(reason, counted=counted)
         await self._queue.put(item)
         self._stats.queued(n, h)
 
@@ -157,12 +154,15 @@ class QueueFeeder:
             self._queue.put_nowait(SourceCleared(reason))
         except asyncio.QueueFull:
             return False
-        if not self._pending_counted:
-            self._stats.cleared(reason.value)
         self._pending = None
+        self._owed_clear_queued(reason, counted=self._pending_counted)
+        return True
+
+    def _owed_clear_queued(self, reason: ClearReason, *, counted: bool) -> None:
+        if not counted:
+            self._stats.cleared(reason.value)
         if reason is ClearReason.OVERFLOW:
             log.warning("source_overflow_cleared", backend=self._backend)
-        return True
 
     def _owe(self, reason: ClearReason, *, counted: bool) -> None:
         # One clear covers every loss before it: the first reason owed is the one queued.

@@ -251,7 +251,10 @@ class ZmqSource:
     def rcvhwm(self) -> int:
         """The SUB's high-water mark: as many frames of the socket cap as the receive budget
         holds, at least `_MIN_RCVHWM` (4 with the default 8 MiB messages)."""
-        return max(_MIN_RCVHWM, min(_MAX_RCVHWM, self._budget // self._socket_cap))
+        return self._frames_in_budget(at_least=_MIN_RCVHWM)
+
+    def _frames_in_budget(self, *, at_least: int) -> int:
+        return max(at_least, min(_MAX_RCVHWM, self._budget // self._socket_cap))
 
     def expect_new_stream(self) -> None:
         """The engine was declared down and the source cleared: whatever comes next starts
@@ -268,10 +271,9 @@ class ZmqSource:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.linger = 0
         dealer.maxmsgsize = self._socket_cap
-        # Replies libzmq receives ahead of `_replay`: at most the budget or one frame (libzmq's
-        # default, 1,000 frames of up to the cap, was outside any bound). The engine's ROUTER
-        # drops what does not fit; `_replay` stops at the hole and the run asks again.
-        dealer.rcvhwm = max(1, min(_MAX_RCVHWM, self._budget // self._socket_cap))
+        # Replies received ahead of `_replay`: the budget or one frame (libzmq's 1,000 frames of
+        # up to the cap were unbounded); what the engine's ROUTER drops is asked for again.
+        dealer.rcvhwm = self._frames_in_budget(at_least=1)
         dealer.ipv6 = wants_ipv6(self.config.replay_endpoint)
         dealer.connect(self.config.replay_endpoint)
         return dealer
