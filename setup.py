@@ -11,6 +11,11 @@ module; a shim without its library would fail to import. So when mypyc is missin
 fails to compile (no C compiler, no Python headers), every extension of the group is dropped
 and the package installs as pure Python, with a warning in pip's output. `KVL_PURE_PYTHON=1`
 in the environment of the build skips the compilation on purpose.
+
+`C_MODULES` are C written by hand, for a step whose cost mypyc cannot take away (the salt
+check's SHA-256). Each is optional on its own: a compiler or library missing for one leaves that
+module out, with a warning, and the Python it stands in for runs; `KVL_PURE_PYTHON=1` skips them
+too.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 #: The compiled modules (paths from the project root). tests/test_native.py checks that an
@@ -40,6 +45,13 @@ NATIVE_MODULES = [
     "kv_listener/core/tracker.py",
 ]
 GROUP = "kv_listener_native"  # the shared library: kv_listener_native__mypyc.*.so
+#: Hand-written C modules (module: source, libraries), each optional on its own: one that fails
+#: to build is left out and the Python it stands in for runs (a warning in pip's output).
+#: tests/test_native.py checks that an installed build has them.
+C_MODULES = {
+    # core/salt.py's HMAC from precomputed pad states, over OpenSSL's SHA-256 (libssl-dev)
+    "kv_listener.core._saltmac": ("kv_listener/core/_saltmac.c", ["crypto"]),
+}
 
 
 def _warn(message: str) -> None:
@@ -47,25 +59,47 @@ def _warn(message: str) -> None:
 
 
 class OptionalNativeBuild(build_ext):
-    """`build_ext` that falls back to no extension at all when any of them fails."""
+    """`build_ext` that falls back to no mypyc extension at all when any of them fails, and
+    leaves out a `C_MODULES` extension that fails on its own."""
 
     def run(self) -> None:
+        self._failed: set[str] = set()  # C_MODULES left out
         try:
             super().run()
         except Exception as exc:  # a compiler or linker failure of any kind
             _warn(f"compiling the native core failed ({type(exc).__name__}: {exc})")
-            self._drop_all()
+            self._drop(lambda ext: ext.name not in C_MODULES)
+        # after the build loop, which iterates the list
+        self._drop(lambda ext: ext.name in self._failed)
 
-    def _drop_all(self) -> None:
-        for path in self.get_outputs():
-            Path(path).unlink(missing_ok=True)
-        self.extensions = []
-        self.distribution.ext_modules = []
+    def build_extension(self, ext: Any) -> None:
+        if ext.name not in C_MODULES:
+            super().build_extension(ext)
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # no compiler, no OpenSSL headers: its Python stays
+            print(f"continuum-kv-listener: building {ext.name} failed ({type(exc).__name__}: "
+                  f"{exc}); its pure-Python version runs instead", file=sys.stderr)
+            self._failed.add(ext.name)
+
+    def _drop(self, which: Any) -> None:
+        for ext in [e for e in self.extensions if which(e)]:
+            Path(self.get_ext_fullpath(ext.name)).unlink(missing_ok=True)
+            self.extensions.remove(ext)
+            if ext in (self.distribution.ext_modules or []):
+                self.distribution.ext_modules.remove(ext)
 
 
 def _extensions() -> list[Any]:
     if os.environ.get("KVL_PURE_PYTHON") == "1":
         return []
+    c_modules = [Extension(name, [source], libraries=libraries, extra_compile_args=["-O2"])
+                 for name, (source, libraries) in C_MODULES.items()]
+    return c_modules + _mypyc_extensions()
+
+
+def _mypyc_extensions() -> list[Any]:
     try:
         from mypyc.build import mypycify  # noqa: PLC0415 (a build requirement, optional)
     except ImportError:

@@ -53,6 +53,34 @@ def test_the_group_is_compiled_whole_or_not_at_all() -> None:
         assert all(state.values()), f"the build fell back to pure Python: {state}"
 
 
+def c_modules() -> list[str]:
+    """`C_MODULES` of setup.py: its hand-written C extensions, by module name."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if (isinstance(node, ast.AnnAssign | ast.Assign)
+                and "C_MODULES" in ast.unparse(node).split("=")[0]):
+            assert node.value is not None
+            return list(ast.literal_eval(node.value))
+    raise AssertionError("setup.py has no C_MODULES")
+
+
+def test_the_hand_written_c_modules_are_built() -> None:
+    """Each is optional on its own (its Python runs without it), but the installed build has
+    them all: .ci/install provides the compiler and OpenSSL's headers."""
+    modules = c_modules()
+    assert "kv_listener.core._saltmac" in modules
+    if PURE_ON_PURPOSE:
+        for name in modules:
+            with pytest.raises(ImportError):
+                importlib.import_module(name)
+        return
+    from kv_listener.core import salt  # noqa: PLC0415
+
+    for name in modules:
+        assert compiled(name), name
+    assert salt._NATIVE is importlib.import_module("kv_listener.core._saltmac").Verifier
+
+
 def test_the_structs_of_compiled_modules_keep_their_declared_options() -> None:
     """mypyc drops class keywords (python/mypy#21938): a `msgspec.Struct` declared
     `frozen=True, gc=False` in a compiled module came out mutable and tracked by the cyclic GC
@@ -128,7 +156,8 @@ def test_a_build_without_a_working_compiler_installs_the_pure_core(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fallback of setup.py, run for real with a C compiler that always fails: mypyc
-    translates the group, every compilation fails, no extension is left in the build."""
+    translates the group, every compilation fails (the hand-written C modules' on their own,
+    the group's as a whole), no extension is left in the build."""
     pytest.importorskip("mypyc.build")
     from setuptools import Distribution  # noqa: PLC0415
 
@@ -148,7 +177,8 @@ def test_a_build_without_a_working_compiler_installs_the_pure_core(
     monkeypatch.chdir(work)
     monkeypatch.setattr(setup_module, "__file__", str(work / "setup.py"))
     extensions = setup_module._extensions()
-    assert len(extensions) == len(native_modules()) + 1  # a shim each, and the group's library
+    # a shim each, the group's library, and the C modules
+    assert len(extensions) == len(native_modules()) + 1 + len(c_modules())
     dist = Distribution({"name": "continuum-kv-listener", "ext_modules": extensions})
     cmd = setup_module.OptionalNativeBuild(dist)
     cmd.build_lib = str(tmp_path / "lib")
@@ -157,6 +187,37 @@ def test_a_build_without_a_working_compiler_installs_the_pure_core(
     cmd.run()
     assert list((tmp_path / "lib").rglob("*.so")) == []
     assert cmd.extensions == []
+
+
+def test_a_c_module_that_cannot_be_built_is_left_out_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hand-written C module whose build fails (here: its library is missing, as OpenSSL's
+    is on a machine without libssl-dev) is dropped on its own; the other extensions of the
+    same build are built and kept."""
+    from setuptools import Distribution, Extension  # noqa: PLC0415
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        setup_module = importlib.import_module("setup")
+    finally:
+        sys.path.remove(str(ROOT))
+    name = c_modules()[0]
+    source, _ = setup_module.C_MODULES[name]
+    (tmp_path / "ok.c").write_text(
+        '#include <Python.h>\nstatic struct PyModuleDef m = {PyModuleDef_HEAD_INIT, "ok"};\n'
+        "PyMODINIT_FUNC PyInit_ok(void) { return PyModule_Create(&m); }\n")
+    monkeypatch.chdir(ROOT)
+    extensions = [Extension(name, [source], libraries=["kvl_no_such_library"]),
+                  Extension("ok", [str(tmp_path / "ok.c")])]
+    dist = Distribution({"name": "continuum-kv-listener", "ext_modules": extensions})
+    cmd = setup_module.OptionalNativeBuild(dist)
+    cmd.build_lib = str(tmp_path / "lib")
+    cmd.build_temp = str(tmp_path / "temp")
+    cmd.ensure_finalized()
+    cmd.run()
+    assert [p.name.split(".")[0] for p in (tmp_path / "lib").rglob("*.so")] == ["ok"]
+    assert [e.name for e in cmd.extensions] == ["ok"]
 
 
 def test_a_struct_read_by_position_is_pinned_to_its_field_order() -> None:

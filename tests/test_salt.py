@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kv_listener.core.prefix import prefix_key
 from kv_listener.core.salt import (
+    _NATIVE,
     SALT_LENGTH,
     SALT_PREFIX,
     SaltVerifier,
@@ -117,23 +118,50 @@ def test_the_bound_verifier_agrees_with_verify_cache_salt(key: bytes, pos: int, 
     assert SaltVerifier(SECRET, "vllm-2")(good) is None
 
 
+@pytest.mark.parametrize("native", [
+    pytest.param(True, marks=pytest.mark.skipif(_NATIVE is None, reason="_saltmac not built")),
+    False,
+])
 @given(st.sampled_from([0, 1, 31, 63, 64, 65, 100, 200]), st.randoms(use_true_random=False),
        st.sampled_from(["b", "vllm-1", "x" * 80, "backend-가-1"]))
 def test_the_verifier_computes_rfc_2104_hmac_for_every_secret_length(
-    n: int, rnd: random.Random, backend: str,
+    native: bool, n: int, rnd: random.Random, backend: str,
 ) -> None:
     """The verifier builds HMAC-SHA256 from two precomputed hash states (RFC 2104 by hand, for
     speed): the MAC it accepts is the `hmac` module's, for secrets shorter than, equal to and
     longer than SHA-256's 64-byte block (a longer key is hashed first) and for message heads
-    that span a block; one bit off in the MAC and it refuses."""
+    that span a block; one bit off in the MAC and it refuses. Both checks: the C module's
+    (`core._saltmac`) and SaltVerifier's own Python."""
     secret, key = rnd.randbytes(n), rnd.randbytes(32)
     msg = b"crs1\x00" + backend.encode() + b"\x00" + key
     mac = hmac.new(secret, msg, hashlib.sha256).hexdigest()[:32]
     salt = f"crs1:{key.hex()}:{mac}"
-    verifier = SaltVerifier(secret, backend, cache_size=0)
+    verifier = SaltVerifier(secret, backend, cache_size=0, native=native)
     assert verifier(salt) == key
     flipped = f"{int(mac[-1], 16) ^ 1:x}"
     assert verifier(salt[:-1] + flipped) is None
+
+
+class _Text(str):
+    pass
+
+
+def test_the_c_check_takes_str_subclasses_and_refuses_other_types() -> None:
+    """What SaltVerifier's Python accepts (`isinstance(salt, str)`), the C check accepts; a
+    wrong-length padded secret is refused when it is built, not at the first salt."""
+    if _NATIVE is None:
+        pytest.skip("_saltmac not built")
+    for native in (True, False):
+        verifier = SaltVerifier(SECRET, BACKEND, cache_size=0, native=native)
+        assert verifier(_Text(VECTOR)) == KEY
+        for other in (VECTOR.encode(), bytearray(VECTOR.encode()), 7, None, [VECTOR]):
+            assert verifier(other) is None
+    key_hex = SaltVerifier(SECRET, BACKEND).verify_hex(_Text(VECTOR))
+    assert type(key_hex) is str and key_hex == KEY.hex()
+    with pytest.raises(ValueError, match="64 bytes"):
+        _NATIVE(b"short", b"crs1\x00b\x00")
+    with pytest.raises(TypeError):
+        _NATIVE("not bytes", b"")
 
 
 def test_the_verifier_cache_is_bounded() -> None:

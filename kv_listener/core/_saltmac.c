@@ -1,0 +1,148 @@
+/* kv_listener.core._saltmac: the cache salt check of core/salt.py (SPEC section 3) in one C call.
+ *
+ * Optional: setup.py builds it when a C compiler and OpenSSL's headers are there, and
+ * core/salt.py's SaltVerifier uses it when it imports; otherwise SaltVerifier's own Python runs,
+ * with the same verdicts (tests/test_salt_native.py checks both on the same salts).
+ *
+ * Why by hand: a salt is checked on every chain that starts (on a busy engine, most stored
+ * blocks), and in Python the check costs about 13k instructions, 6k of them in CPython's
+ * portable SHA-256 and most of the rest in the objects the steps make (the key's bytes, two
+ * hash states, two digests, their hex text). No library offers HMAC from precomputed pad states
+ * (Python's hmac and OpenSSL's HMAC() redo the pads each call), so this file keeps the two
+ * SHA256_CTX states after the pads and copies them per salt (a struct copy, no allocation);
+ * OpenSSL's SHA-256 compression uses the CPU's SHA extensions where it has them.
+ *
+ * Verdicts are exactly SaltVerifier._verify's: a str of 102 ASCII characters, "crs1:", 64
+ * lowercase hex digits (the key), ":", then the first 16 bytes of
+ * HMAC-SHA256(secret, "crs1" 0x00 backend 0x00 key) as 32 lowercase hex digits, compared in
+ * constant time. Returns the key's 64 hex digits (a new str) or None.
+ */
+#define PY_SSIZE_T_CLEAN
+#define OPENSSL_SUPPRESS_DEPRECATED /* SHA256_Init & co: the only API with copyable states */
+#include <Python.h>
+#include <openssl/sha.h>
+#include <string.h>
+
+#define PREFIX "crs1:"
+#define PREFIX_LEN 5
+#define KEY_BYTES 32
+#define MAC_BYTES 16
+#define KEY_END (PREFIX_LEN + 2 * KEY_BYTES)      /* index of the ':' before the MAC */
+#define SALT_LENGTH (KEY_END + 1 + 2 * MAC_BYTES) /* 102 */
+#define PAD_BYTES 64                              /* SHA-256's block: HMAC's key pad */
+
+typedef struct {
+    PyObject_HEAD
+    SHA256_CTX inner; /* after (key ^ ipad) and the message head "crs1" 0 backend 0 */
+    SHA256_CTX outer; /* after (key ^ opad) */
+} Verifier;
+
+static const char HEX[] = "0123456789abcdef";
+
+static int
+hex_value(unsigned char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1; /* uppercase too: the key's text must be its own lowercase hex */
+}
+
+static int
+Verifier_init(Verifier *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"padded_secret", "head", NULL};
+    Py_buffer key, head;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*y*:Verifier", kwlist, &key, &head))
+        return -1;
+    int ok = key.len == PAD_BYTES;
+    if (ok) {
+        unsigned char ipad[PAD_BYTES], opad[PAD_BYTES];
+        const unsigned char *k = key.buf;
+        for (int i = 0; i < PAD_BYTES; i++) {
+            ipad[i] = k[i] ^ 0x36;
+            opad[i] = k[i] ^ 0x5c;
+        }
+        ok = SHA256_Init(&self->inner) && SHA256_Update(&self->inner, ipad, PAD_BYTES)
+             && SHA256_Update(&self->inner, head.buf, (size_t)head.len)
+             && SHA256_Init(&self->outer) && SHA256_Update(&self->outer, opad, PAD_BYTES);
+        if (!ok) PyErr_SetString(PyExc_RuntimeError, "SHA-256 setup failed");
+    } else {
+        PyErr_SetString(PyExc_ValueError, "padded_secret must be 64 bytes");
+    }
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&head);
+    return ok ? 0 : -1;
+}
+
+static PyObject *
+Verifier_verify_hex(Verifier *self, PyObject *salt)
+{
+    if (!PyUnicode_Check(salt)) Py_RETURN_NONE;
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(salt) < 0) return NULL;
+#endif
+    if (PyUnicode_GET_LENGTH(salt) != SALT_LENGTH || !PyUnicode_IS_ASCII(salt)) Py_RETURN_NONE;
+    const unsigned char *s = PyUnicode_1BYTE_DATA(salt);
+    if (memcmp(s, PREFIX, PREFIX_LEN) != 0 || s[KEY_END] != ':') Py_RETURN_NONE;
+    unsigned char key[KEY_BYTES];
+    for (int i = 0; i < KEY_BYTES; i++) {
+        int hi = hex_value(s[PREFIX_LEN + 2 * i]), lo = hex_value(s[PREFIX_LEN + 2 * i + 1]);
+        if (hi < 0 || lo < 0) Py_RETURN_NONE;
+        key[i] = (unsigned char)(hi << 4 | lo);
+    }
+    SHA256_CTX inner = self->inner, outer = self->outer;
+    unsigned char digest[SHA256_DIGEST_LENGTH];
+    if (!SHA256_Update(&inner, key, KEY_BYTES) || !SHA256_Final(digest, &inner)
+            || !SHA256_Update(&outer, digest, SHA256_DIGEST_LENGTH)
+            || !SHA256_Final(digest, &outer)) {
+        PyErr_SetString(PyExc_RuntimeError, "SHA-256 failed");
+        return NULL;
+    }
+    /* constant time over the 32 digits, as hmac.compare_digest */
+    const unsigned char *mac = s + KEY_END + 1;
+    unsigned char diff = 0;
+    for (int i = 0; i < MAC_BYTES; i++) {
+        diff |= (unsigned char)(mac[2 * i] ^ HEX[digest[i] >> 4]);
+        diff |= (unsigned char)(mac[2 * i + 1] ^ HEX[digest[i] & 0x0f]);
+    }
+    if (diff != 0) Py_RETURN_NONE;
+    return PyUnicode_Substring(salt, PREFIX_LEN, KEY_END);
+}
+
+static PyMethodDef Verifier_methods[] = {
+    {"verify_hex", (PyCFunction)Verifier_verify_hex, METH_O,
+     "verify_hex(salt) -> the key's 64 lowercase hex digits, or None for an invalid salt"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject VerifierType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kv_listener.core._saltmac.Verifier",
+    .tp_doc = "Verifier(padded_secret: 64 bytes, head: bytes): HMAC-SHA256 salt checks of one "
+              "secret and backend",
+    .tp_basicsize = sizeof(Verifier),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Verifier_init,
+    .tp_methods = Verifier_methods,
+};
+
+static struct PyModuleDef saltmac_module = {
+    PyModuleDef_HEAD_INIT, "_saltmac",
+    "Cache salt verification in C (see core/salt.py's SaltVerifier).", -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__saltmac(void)
+{
+    if (PyType_Ready(&VerifierType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&saltmac_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&VerifierType);
+    if (PyModule_AddObject(m, "Verifier", (PyObject *)&VerifierType) < 0) {
+        Py_DECREF(&VerifierType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
