@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import zmq
+import zmq.asyncio
 from structlog.testing import capture_logs
 
 from kv_listener.config import SourceConfig
@@ -28,6 +29,7 @@ from kv_listener.sim.publisher import SimPublisher
 from kv_listener.sources import zmq as zmq_source_module
 from kv_listener.sources.common import QueueFeeder
 from kv_listener.sources.zmq import RECEIVE_BUDGET_BYTES, SOCKET_CAP_FACTOR, ZmqSource
+from kv_listener.sources.zmq_backlog import recv_future
 from kv_listener.stats import SourceStats
 from tests.support.queues import get, get_batch
 from tests.support.tasks import running_task
@@ -477,6 +479,33 @@ async def requested(pub: SimPublisher, start: int) -> None:
     async with asyncio.timeout(TIMEOUT):
         while start not in pub.replay_requests:
             await pub.wait_for_replay_requests(len(pub.replay_requests) + 1)
+
+
+async def test_a_message_already_queued_never_overtakes_a_pending_receive() -> None:
+    """The hot path takes a queued message through the SUB's sync shadow, without a Future; a
+    receive left pending (a tail probe's wait, a replay's) has the next message already, and
+    must give it first: the sync path must not hand out the one after it."""
+    async with SimPublisher("tcp://127.0.0.1:0", mode="bind") as pub:
+        source = ZmqSource(config(zmq_endpoint=pub.endpoint, zmq_mode="connect"),
+                           asyncio.Queue(100), SourceStats(engine="vllm"))
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        try:
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(pub.endpoint)
+            await pub.wait_for_subscriber()
+            now: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+            source._live_fut = recv_future(sub)  # left pending, as a probe's wait leaves it
+            pub.publish(payload(1))
+            pub.publish(payload(2))
+            await asyncio.wait_for(asyncio.shield(source._live_fut), TIMEOUT)  # has seq 0
+            assert now.poll(int(TIMEOUT * 1000), zmq.POLLIN)  # and seq 1 is queued behind it
+            got = [await source._next_live(sub, now) for _ in range(2)]
+            assert [int.from_bytes(frames[1], "big") for frames in got if frames] == [0, 1]
+            assert source._live_fut is None
+        finally:
+            sub.close(linger=0)
+            ctx.destroy(linger=0)
 
 
 async def test_a_quiet_engine_that_lost_nothing_is_asked_once_per_silence() -> None:

@@ -53,9 +53,7 @@ from kv_listener.core.sequence import (
     replay_request,
 )
 from kv_listener.sources.common import PublisherAllowList, QueueFeeder
-from kv_listener.sources.zmq_backlog import LiveBacklog
-from kv_listener.sources.zmq_backlog import recv_future as _recv
-from kv_listener.sources.zmq_backlog import send_future as _send
+from kv_listener.sources.zmq_backlog import LiveBacklog, recv_future, recv_now, send_future
 from kv_listener.sources.zmq_peers import (
     MONITORED,
     ZAP_DOMAIN,
@@ -189,11 +187,12 @@ class ZmqSource:
             self._log.info("zmq_source_ready", endpoint=self.endpoint, mode=self.config.zmq_mode)
             if self._dealer is not None:
                 await self._startup_replay(sub)
+            now: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
             while True:
                 if self._backlog:  # kept during a replay: in hand, so it waits for room
                     await self._handle(sub, self._backlog.popleft(), in_hand=True)
                     continue
-                got = await self._next_live(sub)
+                got = await self._next_live(sub, now)
                 if got is None:
                     await self._probe_tail(sub)
                     continue
@@ -284,27 +283,28 @@ class ZmqSource:
             self._dealer = None
 
     async def _recv_live(self, sub: zmq.asyncio.Socket) -> list[bytes]:
-        # One pending receive shared with the replay loop, so that no message is ever consumed
-        # by a future that gets cancelled.
+        # One pending receive, shared with the replay loop: none is lost to a cancelled future.
         if self._live_fut is None:
-            self._live_fut = _recv(sub)
+            self._live_fut = recv_future(sub)
         frames = await self._live_fut
         self._live_fut = None
         return frames
 
-    async def _next_live(self, sub: zmq.asyncio.Socket) -> list[bytes] | None:
+    async def _next_live(self, sub: zmq.asyncio.Socket, now: zmq.Socket[bytes]
+                         ) -> list[bytes] | None:
         """The next live message, or None after `tail_probe_s` of silence when a tail probe is
-        due. A message already waiting is taken without a timer (the hot path): pyzmq receives
-        at once when it can, so the pending receive is then already done."""
-        if self._tail_probed or self.config.replay_endpoint is None or self._seq.expected is None:
-            return await self._recv_live(sub)
+        due. One already queued is taken at once through `now`, the SUB's sync shadow, without
+        a Future or a timer (the hot path), unless a receive is pending: that one takes the next
+        message, none may overtake it."""
+        if self._live_fut is None and (frames := recv_now(now)) is not None:
+            return frames
         if self._live_fut is None:
-            self._live_fut = _recv(sub)
-        if self._live_fut.done():
-            return await self._recv_live(sub)
-        done, _ = await asyncio.wait((self._live_fut,), timeout=self._tail_probe_s)
-        if not done:
-            return None  # the pending receive is kept: no message is lost to a cancel
+            self._live_fut = recv_future(sub)
+        if not (self._tail_probed or self.config.replay_endpoint is None
+                or self._seq.expected is None or self._live_fut.done()):
+            done, _ = await asyncio.wait((self._live_fut,), timeout=self._tail_probe_s)
+            if not done:
+                return None  # the pending receive is kept: no message is lost to a cancel
         return await self._recv_live(sub)
 
     async def _probe_tail(self, sub: zmq.asyncio.Socket) -> None:
@@ -535,7 +535,7 @@ class ZmqSource:
         replayed: list[tuple[int, bytes]] = []
         replayed_bytes = 0
         status = ReplayStatus.TIMEOUT
-        send_fut: asyncio.Future[Any] | None = _send(dealer, replay_request(start))
+        send_fut: asyncio.Future[Any] | None = send_future(dealer, replay_request(start))
         reply_fut: asyncio.Future[list[bytes]] | None = None
         try:
             while True:
@@ -547,9 +547,9 @@ class ZmqSource:
                     break
                 remaining = min(deadline, stalled_at or deadline) - now
                 if self._live_fut is None:
-                    self._live_fut = _recv(sub)
+                    self._live_fut = recv_future(sub)
                 if send_fut is None and reply_fut is None:
-                    reply_fut = _recv(dealer)
+                    reply_fut = recv_future(dealer)
                 other = send_fut if send_fut is not None else reply_fut
                 assert other is not None
                 waiting: set[asyncio.Future[Any]] = {self._live_fut, other}

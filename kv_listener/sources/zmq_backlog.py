@@ -23,6 +23,18 @@ def recv_future(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:
     return fut
 
 
+def recv_now(sock: zmq.Socket[bytes]) -> list[bytes] | None:
+    """The message already queued on `sock` (a sync shadow of the SUB), or None when there is
+    none. The hot path of a busy stream: the async socket's receive makes a Future per message
+    and goes through pyzmq's Python event handling even when the message is there (about a sixth
+    of the daemon's CPU on a stream of 16 KB frames); it receives the same way (non-blocking)
+    when it can, and does not yield to the loop either, so nothing else changes."""
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+
+
 def send_future(sock: zmq.asyncio.Socket, frames: list[bytes]) -> asyncio.Future[Any]:
     fut: asyncio.Future[Any] = sock.send_multipart(frames)  # type: ignore[assignment]
     return fut
