@@ -12,10 +12,10 @@ fails to compile (no C compiler, no Python headers), every extension of the grou
 and the package installs as pure Python, with a warning in pip's output. `KVL_PURE_PYTHON=1`
 in the environment of the build skips the compilation on purpose.
 
-`C_MODULES` are C written by hand, for a step whose cost mypyc cannot take away (the salt
-check's SHA-256). Each is optional on its own: a compiler or library missing for one leaves that
-module out, with a warning, and the Python it stands in for runs; `KVL_PURE_PYTHON=1` skips them
-too.
+`C_MODULES` are C written by hand, for steps whose cost mypyc cannot take away (the salt
+check's SHA-256, the SSE encoder's reads of a Struct's fields). Each is optional on its own: a
+compiler or library missing for one leaves that module out, with a warning, and the Python it
+stands in for runs; `KVL_PURE_PYTHON=1` skips them too.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ GROUP = "kv_listener_native"  # the shared library: kv_listener_native__mypyc.*.
 C_MODULES = {
     # core/salt.py's HMAC from precomputed pad states, over OpenSSL's SHA-256 (libssl-dev)
     "kv_listener.core._saltmac": ("kv_listener/core/_saltmac.c", ["crypto"]),
+    # core/sse.py's encode_record_list: the fields of a Record read at their slots' offsets
+    "kv_listener.core._sseenc": ("kv_listener/core/_sseenc.c", []),
 }
 
 

@@ -128,8 +128,10 @@ static PyTypeObject VerifierType = {
 };
 
 static struct PyModuleDef saltmac_module = {
-    PyModuleDef_HEAD_INIT, "_saltmac",
-    "Cache salt verification in C (see core/salt.py's SaltVerifier).", -1, NULL,
+    PyModuleDef_HEAD_INIT,
+    .m_name = "_saltmac",
+    .m_doc = "Cache salt verification in C (see core/salt.py's SaltVerifier).",
+    .m_size = -1,
 };
 
 PyMODINIT_FUNC

@@ -15,6 +15,7 @@ peer cannot get past: one line, and one event's data, at most 1 MiB each by defa
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
@@ -36,7 +37,7 @@ from kv_listener.core.structs import FrozenStruct, fields_in_order
 __all__ = [
     "MAX_DATA_BYTES", "MAX_LINE_BYTES", "PING", "ControlEvent", "SseError", "SseEvent",
     "SseParser", "encode_comment", "encode_control", "encode_record", "encode_record_list",
-    "encode_records", "parse_sse", "record_data",
+    "encode_record_list_python", "encode_records", "parse_sse", "record_data",
 ]
 
 MAX_LINE_BYTES = 1 << 20
@@ -75,13 +76,36 @@ _RECORD_FIELDS: Final = fields_in_order(
     Record, ("id", "event", "backend", "prefix_hash", "token_count", "tier", "ts"))
 
 
+def _head_of(event: RecordEvent, backend: str) -> str:
+    """A record's text between its `id:` value and its fields: `\nevent: <event>\ndata: ` and
+    the start of the data (`data_head`). Shared by both encoders below."""
+    return f"\nevent: {event}\ndata: {data_head(event, backend)}"
+
+
+def _tail_of(ts: float) -> str | None:
+    """`,"ts":<ts to the ms>}\n\n`, the end of a record; None for inf and nan, which are not
+    JSON numbers (`encode_record`'s json.dumps path writes them). Shared by both encoders."""
+    rounded = round(ts, 3)
+    return None if rounded - rounded != 0.0 else f',"ts":{rounded!r}}}\n\n'
+
+
 def encode_record_list(records: Sequence[Record]) -> list[bytes]:
     """`[encode_record(r) for r in records]`, the same bytes, built faster for the records of
-    one publish (two per block on a busy engine): what they share is worked out once per list
-    (the `event:` line and the start of the data of each event type and backend, the text of
-    each `ts`, whose rounding and `repr` cost more than the rest of a record), and each numbered
-    record of the plain kind `core.records` writes directly is one f-string. Any other record
-    goes through `encode_record`."""
+    one publish (two per block on a busy engine): by `core._sseenc` in C where setup.py built
+    it, else by `encode_record_list_python`."""
+    native = _NATIVE
+    if native is not None:
+        out: list[bytes] = native(records)
+        return out
+    return encode_record_list_python(records)
+
+
+def encode_record_list_python(records: Sequence[Record]) -> list[bytes]:
+    """`encode_record_list` in Python (compiled by mypyc where it can be): what they share is
+    worked out once per list (the `event:` line and the start of the data of each event type
+    and backend, the text of each `ts`, whose rounding and `repr` cost more than the rest of a
+    record), and each numbered record of the plain kind `core.records` writes directly is one
+    f-string. Any other record goes through `encode_record`."""
     out: list[bytes] = []
     heads: dict[tuple[RecordEvent, str], str] = {}
     tails: dict[float, str | None] = {}
@@ -97,14 +121,13 @@ def encode_record_list(records: Sequence[Record]) -> list[bytes]:
         if rid is None or type(ts) is not float or type(event) is not RecordEvent:
             out.append(encode_record(r))
             continue
-        tail = tails.get(ts, "")
+        # 0.0 and -0.0 are one key with two tails (-0.0 keeps its sign): zero is not cached
+        tail = tails.get(ts, "") if ts != 0.0 else _tail_of(ts)
         if tail == "":
-            rounded = round(ts, 3)
-            # inf and nan are not JSON numbers: json.dumps' path (encode_record) writes them
-            tail = tails[ts] = None if rounded - rounded != 0.0 else f',"ts":{rounded!r}}}\n\n'
+            tail = tails[ts] = _tail_of(ts)
         head = heads.get((event, backend))
         if head is None:
-            head = heads[(event, backend)] = f"\nevent: {event}\ndata: {data_head(event, backend)}"
+            head = heads[(event, backend)] = _head_of(event, backend)
         if tail is None:
             out.append(encode_record(r))
         elif event is _CLEARED:
@@ -120,6 +143,20 @@ def encode_record_list(records: Sequence[Record]) -> list[bytes]:
             out.append(f'id: {rid}{head},"prefix_hash":"{prefix}","token_count":{count},'
                        f'"tier":"{tier_text}"{tail}'.encode())
     return out
+
+
+def _native_encoder() -> Any:
+    """`_sseenc.Encoder(...).encode_list` (setup.py's `C_MODULES`), or None where it was not
+    built. Its fallback for records not of the plain kinds is `encode_record`."""
+    try:
+        module = importlib.import_module("kv_listener.core._sseenc")
+    except ImportError:
+        return None
+    return module.Encoder(Record, RecordEvent, _CLEARED, _CREATED, _OFFLOADED, _TIER_TEXT,
+                          _head_of, _tail_of, encode_record).encode_list
+
+
+_NATIVE: Final[Any] = _native_encoder()
 
 
 def encode_control(event: ControlEvent, backend: str) -> bytes:
