@@ -165,12 +165,54 @@ def test_the_c_check_takes_str_subclasses_and_refuses_other_types() -> None:
 
 
 def test_the_verifier_cache_is_bounded() -> None:
-    verifier = SaltVerifier(SECRET, BACKEND, cache_size=16)
+    verifier = SaltVerifier(SECRET, BACKEND, cache_size=16, native=False)
     salts = [issue_cache_salt(SECRET, BACKEND, bytes([i]) * 32) for i in range(100)]
     for i, salt in enumerate(salts):
         assert verifier(salt) == bytes([i]) * 32
         assert len(verifier._cache) <= 16
     assert verifier(salts[-1]) == bytes([99]) * 32
+
+
+def test_the_c_verdict_table_answers_only_for_the_same_salt() -> None:
+    """The C check keeps the last verdicts by key: a salt seen again gets its verdict back, but
+    only for the same key and MAC text; a forgery of a remembered key (another MAC), a valid
+    salt after its forgery was remembered, and keys that share the slot all get their own."""
+    if _NATIVE is None:
+        pytest.skip("_saltmac not built")
+    verifier = SaltVerifier(SECRET, BACKEND, cache_size=4)
+    forged = VECTOR[:-1] + ("0" if VECTOR[-1] != "0" else "1")
+    for _ in range(3):
+        assert verifier(VECTOR) == KEY
+        assert verifier(forged) is None
+    # keys equal in their first 8 bytes share a slot of any table
+    keys = [KEY[:8] + bytes([i]) * 24 for i in range(6)]
+    salts = [issue_cache_salt(SECRET, BACKEND, k) for k in keys]
+    bad = [s[:-1] + ("0" if s[-1] != "0" else "1") for s in salts]
+    for _ in range(2):
+        for key, salt, forgery in zip(keys, salts, bad, strict=True):
+            assert verifier(salt) == key
+            assert verifier(forgery) is None
+            assert verifier(salt) == key
+    assert SaltVerifier(SECRET, "vllm-2", cache_size=4)(VECTOR) is None
+
+
+@pytest.mark.parametrize(("cache_size", "slots"), [(0, 0), (1, 1), (16, 16), (100, 128),
+                                                   (4096, 4096)])
+def test_the_c_verdict_table_is_bounded_in_bytes(cache_size: int, slots: int) -> None:
+    """The table is allocated once, `cache_size` rounded up to a power of two, 65 bytes a slot
+    (key, MAC text, verdict), however many salts go through it."""
+    if _NATIVE is None:
+        pytest.skip("_saltmac not built")
+    head = b"crs1\x00" + BACKEND.encode() + b"\x00"
+    table = _NATIVE(SECRET.ljust(64, b"\x00"), head, cache_size)
+    assert table.cache_bytes == slots * 65
+    for i in range(300):
+        salt = issue_cache_salt(SECRET, BACKEND, i.to_bytes(32, "big"))
+        assert table.verify_hex(salt) == i.to_bytes(32, "big").hex()
+    assert table.cache_bytes == slots * 65
+    for wrong in (-1, 1 << 25):
+        with pytest.raises(ValueError, match="cache_size"):
+            _NATIVE(SECRET.ljust(64, b"\x00"), head, wrong)
 
 
 def test_router_module_exports_the_salt_and_key_functions() -> None:

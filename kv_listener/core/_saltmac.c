@@ -16,11 +16,17 @@
  * lowercase hex digits (the key), ":", then the first 16 bytes of
  * HMAC-SHA256(secret, "crs1" 0x00 backend 0x00 key) as 32 lowercase hex digits, compared in
  * constant time. Returns the key's 64 hex digits (a new str) or None.
+ *
+ * With `cache_size`, the verdicts of the last salts are kept in a table of that many slots
+ * (rounded up to a power of two, 65 bytes each), indexed by the key: a salt seen again is
+ * answered without the HMAC, and a new one costs one comparison (the Python path's dict of
+ * salts cost more than the C HMAC on a stream of new salts). Bounded by construction.
  */
 #define PY_SSIZE_T_CLEAN
 #define OPENSSL_SUPPRESS_DEPRECATED /* SHA256_Init & co: the only API with copyable states */
 #include <Python.h>
 #include <openssl/sha.h>
+#include <stdint.h>
 #include <string.h>
 
 #define PREFIX "crs1:"
@@ -31,30 +37,52 @@
 #define SALT_LENGTH (KEY_END + 1 + 2 * MAC_BYTES) /* 102 */
 #define PAD_BYTES 64                              /* SHA-256's block: HMAC's key pad */
 
+/* One remembered verdict: a salt is its key and its MAC text (the rest is fixed) */
+typedef struct {
+    unsigned char key[KEY_BYTES];
+    unsigned char mac[2 * MAC_BYTES];
+    unsigned char verdict; /* EMPTY, VALID or INVALID */
+} Entry;
+
+enum { EMPTY, VALID, INVALID };
+
 typedef struct {
     PyObject_HEAD
     SHA256_CTX inner; /* after (key ^ ipad) and the message head "crs1" 0 backend 0 */
     SHA256_CTX outer; /* after (key ^ opad) */
+    Entry *table;     /* the last verdicts, direct-mapped by key; NULL: none kept */
+    size_t mask;      /* slots - 1 (a power of two) */
 } Verifier;
 
 static const char HEX[] = "0123456789abcdef";
 
-static int
-hex_value(unsigned char c)
-{
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    return -1; /* uppercase too: the key's text must be its own lowercase hex */
-}
+/* a hex digit's value, -1 for anything else: uppercase too (the key's text must be its own
+ * lowercase hex) */
+static signed char HEX_VALUE[256];
 
 static int
 Verifier_init(Verifier *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"padded_secret", "head", NULL};
+    static char *kwlist[] = {"padded_secret", "head", "cache_size", NULL};
     Py_buffer key, head;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*y*:Verifier", kwlist, &key, &head))
+    Py_ssize_t cache_size = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*y*|n:Verifier", kwlist, &key, &head,
+                                     &cache_size))
         return -1;
-    int ok = key.len == PAD_BYTES;
+    int ok = key.len == PAD_BYTES && cache_size >= 0 && cache_size <= (1 << 24);
+    if (ok && cache_size > 0) {
+        size_t slots = 1;
+        while (slots < (size_t)cache_size) slots <<= 1;
+        Entry *table = PyMem_Calloc(slots, sizeof(Entry));
+        if (table == NULL) {
+            PyErr_NoMemory();
+            ok = 0;
+        } else {
+            PyMem_Free(self->table);
+            self->table = table;
+            self->mask = slots - 1;
+        }
+    }
     if (ok) {
         unsigned char ipad[PAD_BYTES], opad[PAD_BYTES];
         const unsigned char *k = key.buf;
@@ -66,8 +94,9 @@ Verifier_init(Verifier *self, PyObject *args, PyObject *kwds)
              && SHA256_Update(&self->inner, head.buf, (size_t)head.len)
              && SHA256_Init(&self->outer) && SHA256_Update(&self->outer, opad, PAD_BYTES);
         if (!ok) PyErr_SetString(PyExc_RuntimeError, "SHA-256 setup failed");
-    } else {
-        PyErr_SetString(PyExc_ValueError, "padded_secret must be 64 bytes");
+    } else if (!PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError,
+                        "padded_secret must be 64 bytes and cache_size 0 .. 2**24");
     }
     PyBuffer_Release(&key);
     PyBuffer_Release(&head);
@@ -85,10 +114,32 @@ Verifier_verify_hex(Verifier *self, PyObject *salt)
     const unsigned char *s = PyUnicode_1BYTE_DATA(salt);
     if (memcmp(s, PREFIX, PREFIX_LEN) != 0 || s[KEY_END] != ':') Py_RETURN_NONE;
     unsigned char key[KEY_BYTES];
+    Entry *slot = NULL;
     for (int i = 0; i < KEY_BYTES; i++) {
-        int hi = hex_value(s[PREFIX_LEN + 2 * i]), lo = hex_value(s[PREFIX_LEN + 2 * i + 1]);
+        int hi = HEX_VALUE[s[PREFIX_LEN + 2 * i]], lo = HEX_VALUE[s[PREFIX_LEN + 2 * i + 1]];
         if (hi < 0 || lo < 0) Py_RETURN_NONE;
         key[i] = (unsigned char)(hi << 4 | lo);
+        if (i == 7 && self->table != NULL) {
+            /* keys are SHA-256 outputs: their first 8 bytes index evenly (a chosen key only
+             * evicts). Fetched now, while the rest of the key is read: a new salt's slot is
+             * a cache miss. */
+            uint64_t h;
+            memcpy(&h, key, sizeof h);
+            slot = &self->table[h & self->mask];
+            __builtin_prefetch(slot, 1);
+        }
+    }
+    const unsigned char *mac = s + KEY_END + 1;
+    if (slot != NULL) {
+        /* a slot answers for exactly its key and MAC text */
+        if (slot->verdict != EMPTY && memcmp(slot->key, key, KEY_BYTES) == 0) {
+            unsigned char diff = 0; /* constant time: the slot may hold the true MAC */
+            for (int i = 0; i < 2 * MAC_BYTES; i++) diff |= slot->mac[i] ^ mac[i];
+            if (diff == 0) {
+                if (slot->verdict == INVALID) Py_RETURN_NONE;
+                return PyUnicode_Substring(salt, PREFIX_LEN, KEY_END);
+            }
+        }
     }
     SHA256_CTX inner = self->inner, outer = self->outer;
     unsigned char digest[SHA256_DIGEST_LENGTH];
@@ -99,15 +150,37 @@ Verifier_verify_hex(Verifier *self, PyObject *salt)
         return NULL;
     }
     /* constant time over the 32 digits, as hmac.compare_digest */
-    const unsigned char *mac = s + KEY_END + 1;
     unsigned char diff = 0;
     for (int i = 0; i < MAC_BYTES; i++) {
         diff |= (unsigned char)(mac[2 * i] ^ HEX[digest[i] >> 4]);
         diff |= (unsigned char)(mac[2 * i + 1] ^ HEX[digest[i] & 0x0f]);
     }
+    if (slot != NULL) {
+        memcpy(slot->key, key, KEY_BYTES);
+        memcpy(slot->mac, mac, 2 * MAC_BYTES);
+        slot->verdict = diff == 0 ? VALID : INVALID;
+    }
     if (diff != 0) Py_RETURN_NONE;
     return PyUnicode_Substring(salt, PREFIX_LEN, KEY_END);
 }
+
+static void
+Verifier_dealloc(Verifier *self)
+{
+    PyMem_Free(self->table);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Verifier_cache_bytes(Verifier *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSize_t(self->table == NULL ? 0 : (self->mask + 1) * sizeof(Entry));
+}
+
+static PyGetSetDef Verifier_getset[] = {
+    {"cache_bytes", (getter)Verifier_cache_bytes, NULL, "bytes the verdict table takes", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
 
 static PyMethodDef Verifier_methods[] = {
     {"verify_hex", (PyCFunction)Verifier_verify_hex, METH_O,
@@ -118,13 +191,15 @@ static PyMethodDef Verifier_methods[] = {
 static PyTypeObject VerifierType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kv_listener.core._saltmac.Verifier",
-    .tp_doc = "Verifier(padded_secret: 64 bytes, head: bytes): HMAC-SHA256 salt checks of one "
-              "secret and backend",
+    .tp_doc = "Verifier(padded_secret: 64 bytes, head: bytes, cache_size: int = 0): HMAC-SHA256 "
+              "salt checks of one secret and backend, the last verdicts remembered",
     .tp_basicsize = sizeof(Verifier),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Verifier_init,
+    .tp_dealloc = (destructor)Verifier_dealloc,
     .tp_methods = Verifier_methods,
+    .tp_getset = Verifier_getset,
 };
 
 static struct PyModuleDef saltmac_module = {
@@ -137,6 +212,8 @@ static struct PyModuleDef saltmac_module = {
 PyMODINIT_FUNC
 PyInit__saltmac(void)
 {
+    for (int c = 0; c < 256; c++)
+        HEX_VALUE[c] = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
     if (PyType_Ready(&VerifierType) < 0) return NULL;
     PyObject *m = PyModule_Create(&saltmac_module);
     if (m == NULL) return NULL;

@@ -111,9 +111,11 @@ class SaltVerifier:
     are remembered (every request of the same prefix key carries the same salt, so a chat
     workload verifies each once). The cache is bounded: when full it starts over.
 
-    Where setup.py built `core._saltmac`, the check of a salt not in the cache is one C call
-    with the same verdicts (its HMAC over OpenSSL's SHA-256: about a tenth of the instructions
-    of the Python below, which stays as the reference and runs where the module is absent)."""
+    Where setup.py built `core._saltmac`, the whole check is one C call with the same verdicts
+    (its HMAC over OpenSSL's SHA-256: about a tenth of the instructions of the Python below,
+    which stays as the reference and runs where the module is absent), and the last verdicts
+    are kept there: a table of `cache_size` slots (rounded up to a power of two, 65 bytes
+    each) indexed by the salt's key, which a new salt costs one comparison, not a dict entry."""
 
     __slots__ = ("_cache", "_cache_size", "_inner", "_native", "_outer")
 
@@ -125,8 +127,8 @@ class SaltVerifier:
         self._inner: Any = _state(k.translate(_IPAD) + head)
         self._outer: Any = _state(k.translate(_OPAD))
         # `native=False`: this class's own Python even where the C module is built (tests)
-        self._native: Any = (_NATIVE(k, head).verify_hex if native and _NATIVE is not None
-                             else None)
+        self._native: Any = (_NATIVE(k, head, cache_size).verify_hex
+                             if native and _NATIVE is not None else None)
         self._cache: dict[str, str] = {}  # salt -> its key's hex, "" for an invalid salt
         self._cache_size = cache_size
 
@@ -142,6 +144,10 @@ class SaltVerifier:
         """The key `salt` carries as 64 lowercase hex digits (its `prefix_hash`), or None: the
         tracker's call, which keeps the key as that text only. Compiled callers call this
         method: mypyc calls a method directly, an object's `__call__` through Python."""
+        native = self._native
+        if native is not None:
+            verdict: str | None = native(salt)  # its own form check and verdict table
+            return verdict
         if not isinstance(salt, str):
             return None
         cache = self._cache
@@ -156,10 +162,6 @@ class SaltVerifier:
         return key_hex
 
     def _verify(self, salt: str) -> str | None:
-        native = self._native
-        if native is not None:
-            verdict: str | None = native(salt)
-            return verdict
         # What `_SALT_RE.fullmatch` accepts, checked piecewise: ASCII (compare_digest refuses
         # other text), the exact length, prefix and separator; a key part of 64 hex digits that
         # are all lowercase (fromhex also takes uppercase and skips whitespace: its bytes must
