@@ -13,9 +13,10 @@ and the package installs as pure Python, with a warning in pip's output. `KVL_PU
 in the environment of the build skips the compilation on purpose.
 
 `C_MODULES` are C written by hand, for steps whose cost mypyc cannot take away (the salt
-check's SHA-256, the SSE encoder's reads of a Struct's fields). Each is optional on its own: a
-compiler or library missing for one leaves that module out, with a warning, and the Python it
-stands in for runs; `KVL_PURE_PYTHON=1` skips them too.
+check's SHA-256, the SSE encoder's reads of a Struct's fields, token IDs made Python ints only
+to be copied into an array). Each is optional on its own: a compiler or library missing for one
+leaves that module out, with a warning, and the Python it stands in for runs;
+`KVL_PURE_PYTHON=1` skips them too.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ C_MODULES = {
     "kv_listener.core._saltmac": ("kv_listener/core/_saltmac.c", ["crypto"]),
     # core/sse.py's encode_record_list: the fields of a Record read at their slots' offsets
     "kv_listener.core._sseenc": ("kv_listener/core/_sseenc.c", []),
+    # core/decode_events.py's raw_tokens: msgpack token IDs straight into an array("I")
+    "kv_listener.core._wiretok": ("kv_listener/core/_wiretok.c", []),
 }
 
 

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import given, reject
 from hypothesis import strategies as st
 
-from kv_listener.core import decode, wire
+from kv_listener.core import decode, decode_events, wire
 from kv_listener.core.decode import DecodeError, decode_zmq_payload
 from kv_listener.core.model import BlockRemoved, BlockStored, Engine
 from kv_listener.sim.encode import (
@@ -177,3 +178,98 @@ def test_a_token_outside_u32_is_bad_tokens_even_in_an_event_over_the_token_cap(
         got = decode_zmq_payload(Engine.VLLM, payload, max_event_tokens=cap)
         assert got.drops == {decode.DropReason.BAD_TOKENS: 1}
         assert got.batch.events == (BlockRemoved((9,)),)
+
+
+# --- token IDs read in C (core._wiretok) -----------------------------------------------------
+
+_U32 = decode_events._U32_ARRAY
+needs_wiretok = pytest.mark.skipif(_U32 is None, reason="_wiretok not built")
+
+
+def msgpack_int(v: int, form: int) -> bytes:
+    """`v` in one of the msgpack encodings that can hold it (`form` picks among them): a tool
+    may write a small ID as uint32 or int64, all of which mean the same token."""
+    forms = []
+    if 0 <= v <= 0x7F:
+        forms.append(bytes([v]))
+    if -32 <= v < 0:
+        forms.append(bytes([v & 0xFF]))
+    for tag, size in ((0xCC, 1), (0xCD, 2), (0xCE, 4), (0xCF, 8)):
+        if 0 <= v < 1 << (8 * size):
+            forms.append(bytes([tag]) + v.to_bytes(size, "big"))
+    for tag, size in ((0xD0, 1), (0xD1, 2), (0xD2, 4), (0xD3, 8)):
+        if -(1 << (8 * size - 1)) <= v < 1 << (8 * size - 1):
+            forms.append(bytes([tag]) + v.to_bytes(size, "big", signed=True))
+    return forms[form % len(forms)]
+
+
+def msgpack_array_head(n: int, form: int) -> bytes:
+    forms = [b"\xdd" + n.to_bytes(4, "big")]
+    if n < 1 << 16:
+        forms.append(b"\xdc" + n.to_bytes(2, "big"))
+    if n <= 15:
+        forms.append(bytes([0x90 | n]))
+    return forms[form % len(forms)]
+
+
+def general_u32(data: bytes) -> array[int] | None:
+    """What the C reader must give: the array of one msgpack array of ints in 0 .. 2^32 - 1,
+    else None (decoded by msgpack itself)."""
+    try:
+        v = msgpack.unpackb(data, strict_map_key=False)
+    except Exception:  # truncated, extra bytes, not msgpack: the general path's to judge
+        return None
+    if type(v) is not list or not all(type(x) is int and 0 <= x < 1 << 32 for x in v):
+        return None
+    return array("I", v)
+
+
+_IDS = st.one_of(st.integers(0, 1 << 32), st.sampled_from([0, 127, 128, 255, 65535, 65536,
+                                                             (1 << 32) - 1, 1 << 32, -1, -32,
+                                                             -33, (1 << 64) - 1, -(1 << 63)]))
+
+
+@needs_wiretok
+@given(st.lists(st.tuples(_IDS, st.integers(0, 7)), max_size=40), st.integers(0, 2),
+       st.sampled_from(["whole", "cut", "extra", "other"]), st.integers(0, 1000))
+def test_token_ids_read_in_c_are_what_msgpack_decodes(
+    items: list[tuple[int, int]], head: int, damage: str, at: int,
+) -> None:
+    """Every msgpack encoding of an ID, every array header, and truncated, extended or
+    otherwise typed bytes: the C reader gives msgpack's own array of the same IDs, or declines
+    (None) where the general path must judge."""
+    data = msgpack_array_head(len(items), head) + b"".join(msgpack_int(v, f) for v, f in items)
+    if damage == "cut":
+        data = data[:at % max(len(data), 1)]
+    elif damage == "extra":
+        data += b"\x01"
+    elif damage == "other" and items:
+        data = data[:len(msgpack_array_head(len(items), head))] + msgpack.packb(1.5) + \
+            data[len(msgpack_array_head(len(items), head)) + len(msgpack_int(*items[0])):]
+    got = _U32(msgspec.Raw(data))
+    assert got == general_u32(data)
+    assert got is None or got.typecode == "I"
+
+
+@needs_wiretok
+def test_token_ids_read_in_c_decline_what_is_not_an_array_of_ids() -> None:
+    for value in (1, "ids", None, [True], [None], [1.0], [[1, 2]], {"a": 1}, [b"x"], [-1],
+                  [1 << 32]):
+        assert _U32(msgspec.Raw(msgpack.packb(value))) is None, value
+    bomb = b"\xdd\xff\xff\xff\xff" + b"\x01" * 10  # claims 4 G items: refused, not allocated
+    assert _U32(msgspec.Raw(bomb)) is None
+    long = list(range(70_000))  # read with the GIL released
+    assert _U32(msgspec.Raw(msgpack.packb(long))) == array("I", long)
+    with pytest.raises(TypeError):
+        _U32("not a buffer")
+
+
+def test_raw_token_ids_keep_the_general_verdicts() -> None:
+    """`raw_tokens` (C where built, else msgspec and wire_tokens): an ID out of range is the
+    event's BAD_TOKENS; anything but a list of ints goes to the reference decoder (None)."""
+    assert decode_events.raw_tokens(msgspec.Raw(msgpack.packb([1, 2]))) == array("I", [1, 2])
+    for bad in ([-1], [1 << 32], [(1 << 64) - 1]):
+        with pytest.raises(decode_events.EventDrop):
+            decode_events.raw_tokens(msgspec.Raw(msgpack.packb(bad)))
+    for other in ([1.0], [True], "x", [[1, 2]], None):
+        assert decode_events.raw_tokens(msgspec.Raw(msgpack.packb(other))) is None

@@ -43,6 +43,7 @@ from kv_listener.core.decode_events import (
     DecodeError,
     DropReason,
     EventDrop,
+    raw_tokens,
     wire_extra_keys,
     wire_tokens,
 )
@@ -291,7 +292,13 @@ def _decode_typed(
                             ev.lora_name, None, None, ev.cache_salt, None)
                 # tokens first, as the reference decoder reads them: a value outside u32 is its
                 # BAD_TOKENS even in an event too big to keep
-                toks = wire_tokens(raw, False)
+                if t is _VLLM_STORED_MAP:
+                    maybe = raw_tokens(raw)  # undecoded so far (core.wire)
+                    if maybe is None:
+                        return None  # not a list of ints: the reference decoder's judgement
+                    toks = maybe
+                else:
+                    toks = wire_tokens(raw, False)
                 if len(toks) > max_event_tokens:
                     drops[DropReason.TOO_MANY_TOKENS] += 1
                     continue

@@ -11,9 +11,12 @@ batch into events with these handlers (the reference path) or with `core.wire`'s
 from __future__ import annotations
 
 import enum
+import importlib
 from array import array
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
+
+import msgspec
 
 from kv_listener.core.model import (
     U64_MASK,
@@ -137,6 +140,37 @@ def wire_tokens(v: Any, pairs_ok: bool) -> array[int]:
     if pairs_ok and v and type(v[0]) is list:
         return _bigram_firsts(v)
     raise EventDrop(DropReason.BAD_TOKENS)
+
+
+def raw_tokens(raw: Any) -> array[int] | None:
+    """`wire_tokens` of the undecoded token IDs of the current vLLM layout (`core.wire`: a
+    `msgspec.Raw` msgpack array): the same array, or the same EventDrop(BAD_TOKENS) for an ID
+    outside 0 .. 2^32 - 1, or None when they are not a list of ints, which `list[int]` refused
+    before (the reference decoder then takes the payload). Read by `core._wiretok` in C where
+    setup.py built it; by msgspec and `wire_tokens` otherwise, and for anything it declines."""
+    native = _U32_ARRAY
+    if native is not None:
+        toks: array[int] | None = native(raw)
+        if toks is not None:
+            return toks
+    v = _decode_msgpack(raw)
+    if type(v) is not list:
+        return None
+    for x in v:
+        if type(x) is not int:
+            return None
+    return wire_tokens(v, False)
+
+
+def _native_u32_array() -> Any:
+    try:
+        return importlib.import_module("kv_listener.core._wiretok").u32_array
+    except ImportError:
+        return None
+
+
+_U32_ARRAY: Final[Any] = _native_u32_array()
+_decode_msgpack: Final[Any] = msgspec.msgpack.decode
 
 
 def _bigram_firsts(v: list[Any]) -> array[int]:

@@ -40,7 +40,9 @@ _MAP = {"tag_field": "type", "frozen": True, "gc": False}
 
 class _VllmStoredMap(msgspec.Struct, tag="BlockStored", **_MAP):
     block_hashes: list[int]
-    token_ids: _TOKENS
+    # left undecoded: `core.decode_events.raw_tokens` reads it into an array("I") in one pass
+    # (or, when it is not a list of ints, sends the payload to the reference decoder)
+    token_ids: msgspec.Raw
     block_size: _SIZE
     parent_block_hash: int | None = None
     lora_id: int | None = None
