@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,16 +26,23 @@ DRIVER = ROOT / "tests" / "support" / "native_driver.py"
 PURE_ON_PURPOSE = os.environ.get("KVL_PURE_PYTHON") == "1"
 
 
-def native_modules() -> list[str]:
-    """`NATIVE_MODULES` of setup.py, as module names (read, not imported: it is a build file)."""
+def setup_constant(name: str) -> object:
+    """A constant of setup.py (read, not imported: it is a build file)."""
     tree = ast.parse((ROOT / "setup.py").read_text())
     for node in tree.body:
         if (isinstance(node, ast.AnnAssign | ast.Assign)
-                and "NATIVE_MODULES" in ast.unparse(node).split("=")[0]):
+                and name in ast.unparse(node).split("=")[0]):
             assert node.value is not None
-            paths = ast.literal_eval(node.value)
-            return [p.removesuffix(".py").replace("/", ".") for p in paths]
-    raise AssertionError("setup.py has no NATIVE_MODULES")
+            value: object = ast.literal_eval(node.value)
+            return value
+    raise AssertionError(f"setup.py has no {name}")
+
+
+def native_modules() -> list[str]:
+    """`NATIVE_MODULES` of setup.py, as module names."""
+    paths = setup_constant("NATIVE_MODULES")
+    assert isinstance(paths, list)
+    return [p.removesuffix(".py").replace("/", ".") for p in paths]
 
 
 def compiled(module: str) -> bool:
@@ -55,13 +63,9 @@ def test_the_group_is_compiled_whole_or_not_at_all() -> None:
 
 def c_modules() -> list[str]:
     """`C_MODULES` of setup.py: its hand-written C extensions, by module name."""
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    for node in tree.body:
-        if (isinstance(node, ast.AnnAssign | ast.Assign)
-                and "C_MODULES" in ast.unparse(node).split("=")[0]):
-            assert node.value is not None
-            return list(ast.literal_eval(node.value))
-    raise AssertionError("setup.py has no C_MODULES")
+    modules = setup_constant("C_MODULES")
+    assert isinstance(modules, dict)
+    return list(modules)
 
 
 def test_the_hand_written_c_modules_are_built() -> None:
@@ -152,6 +156,28 @@ def test_compiled_and_pure_hot_paths_give_the_same_bytes(seed: int, pure_copy: P
     assert pure["records"] and pure["live"]
 
 
+def import_setup() -> Any:
+    """setup.py as a module (its build command and constants)."""
+    sys.path.insert(0, str(ROOT))
+    try:
+        return importlib.import_module("setup")
+    finally:
+        sys.path.remove(str(ROOT))
+
+
+def run_build(setup_module: Any, extensions: list[Any], tmp_path: Path) -> Any:
+    """setup.py's OptionalNativeBuild run for real on `extensions`, into tmp_path / "lib"."""
+    from setuptools import Distribution  # noqa: PLC0415
+
+    dist = Distribution({"name": "continuum-kv-listener", "ext_modules": extensions})
+    cmd = setup_module.OptionalNativeBuild(dist)
+    cmd.build_lib = str(tmp_path / "lib")
+    cmd.build_temp = str(tmp_path / "temp")
+    cmd.ensure_finalized()
+    cmd.run()
+    return cmd
+
+
 def test_a_build_without_a_working_compiler_installs_the_pure_core(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,13 +185,7 @@ def test_a_build_without_a_working_compiler_installs_the_pure_core(
     translates the group, every compilation fails (the hand-written C modules' on their own,
     the group's as a whole), no extension is left in the build."""
     pytest.importorskip("mypyc.build")
-    from setuptools import Distribution  # noqa: PLC0415
-
-    sys.path.insert(0, str(ROOT))
-    try:
-        setup_module = importlib.import_module("setup")
-    finally:
-        sys.path.remove(str(ROOT))
+    setup_module = import_setup()
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setenv("LDSHARED", "/bin/false")
     monkeypatch.delenv("KVL_PURE_PYTHON", raising=False)
@@ -179,12 +199,7 @@ def test_a_build_without_a_working_compiler_installs_the_pure_core(
     extensions = setup_module._extensions()
     # a shim each, the group's library, and the C modules
     assert len(extensions) == len(native_modules()) + 1 + len(c_modules())
-    dist = Distribution({"name": "continuum-kv-listener", "ext_modules": extensions})
-    cmd = setup_module.OptionalNativeBuild(dist)
-    cmd.build_lib = str(tmp_path / "lib")
-    cmd.build_temp = str(tmp_path / "temp")
-    cmd.ensure_finalized()
-    cmd.run()
+    cmd = run_build(setup_module, extensions, tmp_path)
     assert list((tmp_path / "lib").rglob("*.so")) == []
     assert cmd.extensions == []
 
@@ -195,13 +210,9 @@ def test_a_c_module_that_cannot_be_built_is_left_out_alone(
     """A hand-written C module whose build fails (here: its library is missing, as OpenSSL's
     is on a machine without libssl-dev) is dropped on its own; the other extensions of the
     same build are built and kept."""
-    from setuptools import Distribution, Extension  # noqa: PLC0415
+    from setuptools import Extension  # noqa: PLC0415
 
-    sys.path.insert(0, str(ROOT))
-    try:
-        setup_module = importlib.import_module("setup")
-    finally:
-        sys.path.remove(str(ROOT))
+    setup_module = import_setup()
     name = c_modules()[0]
     source, _ = setup_module.C_MODULES[name]
     (tmp_path / "ok.c").write_text(
@@ -210,12 +221,7 @@ def test_a_c_module_that_cannot_be_built_is_left_out_alone(
     monkeypatch.chdir(ROOT)
     extensions = [Extension(name, [source], libraries=["kvl_no_such_library"]),
                   Extension("ok", [str(tmp_path / "ok.c")])]
-    dist = Distribution({"name": "continuum-kv-listener", "ext_modules": extensions})
-    cmd = setup_module.OptionalNativeBuild(dist)
-    cmd.build_lib = str(tmp_path / "lib")
-    cmd.build_temp = str(tmp_path / "temp")
-    cmd.ensure_finalized()
-    cmd.run()
+    cmd = run_build(setup_module, extensions, tmp_path)
     assert [p.name.split(".")[0] for p in (tmp_path / "lib").rglob("*.so")] == ["ok"]
     assert [e.name for e in cmd.extensions] == ["ok"]
 

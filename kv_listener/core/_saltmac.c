@@ -188,40 +188,34 @@ static PyMethodDef Verifier_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static struct PyModuleDef saltmac_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_size = -1,
+    .m_name = "_saltmac",
+    .m_doc = "Cache salt verification in C (see core/salt.py's SaltVerifier).",
+};
+
 static PyTypeObject VerifierType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kv_listener.core._saltmac.Verifier",
+    .tp_basicsize = sizeof(Verifier),
     .tp_doc = "Verifier(padded_secret: 64 bytes, head: bytes, cache_size: int = 0): HMAC-SHA256 "
               "salt checks of one secret and backend, the last verdicts remembered",
-    .tp_basicsize = sizeof(Verifier),
     .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_methods = Verifier_methods,
+    .tp_getset = Verifier_getset,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Verifier_init,
     .tp_dealloc = (destructor)Verifier_dealloc,
-    .tp_methods = Verifier_methods,
-    .tp_getset = Verifier_getset,
 };
 
-static struct PyModuleDef saltmac_module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "_saltmac",
-    .m_doc = "Cache salt verification in C (see core/salt.py's SaltVerifier).",
-    .m_size = -1,
-};
 
 PyMODINIT_FUNC
 PyInit__saltmac(void)
 {
     for (int c = 0; c < 256; c++)
         HEX_VALUE[c] = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
-    if (PyType_Ready(&VerifierType) < 0) return NULL;
     PyObject *m = PyModule_Create(&saltmac_module);
-    if (m == NULL) return NULL;
-    Py_INCREF(&VerifierType);
-    if (PyModule_AddObject(m, "Verifier", (PyObject *)&VerifierType) < 0) {
-        Py_DECREF(&VerifierType);
-        Py_DECREF(m);
-        return NULL;
-    }
+    if (m != NULL && PyModule_AddType(m, &VerifierType) < 0) Py_CLEAR(m);
     return m;
 }

@@ -36,13 +36,13 @@ static const char *FIELD_NAMES[N_FIELDS] = {
 #define HEADS 8 /* (event, backend) pairs remembered per call: a few backends per process */
 #define TAILS 4 /* distinct ts per call: one publish has one */
 
+/* the objects an Encoder holds, in the order of its constructor's arguments */
+enum { R_RECORD_TYPE, R_EVENT_TYPE, R_CLEARED, R_CREATED, R_OFFLOADED, R_TIER_TEXT, R_HEAD_OF,
+       R_TAIL_OF, R_FALLBACK, N_REFS };
+
 typedef struct {
     PyObject_HEAD
-    PyTypeObject *record_type;
-    PyTypeObject *event_type;
-    PyObject *cleared, *created, *offloaded; /* RecordEvent members */
-    PyObject *tier_text;                     /* dict: Tier -> str */
-    PyObject *head_of, *tail_of, *fallback;  /* Python callables */
+    PyObject *ref[N_REFS]; /* record and event types, RecordEvent members, tier texts, helpers */
     Py_ssize_t offset[N_FIELDS];
 } Encoder;
 
@@ -83,14 +83,11 @@ Encoder_init(Encoder *self, PyObject *args, PyObject *kwds)
         offset[i] = ((PyMemberDescrObject *)d)->d_member->offset;
     }
     memcpy(self->offset, offset, sizeof(offset));
-    PyObject *refs[] = {record_type, event_type, cleared, created, offloaded, tier_text,
-                        head_of, tail_of, fallback};
-    PyObject **slots[] = {(PyObject **)&self->record_type, (PyObject **)&self->event_type,
-                          &self->cleared, &self->created, &self->offloaded, &self->tier_text,
-                          &self->head_of, &self->tail_of, &self->fallback};
-    for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++) {
+    PyObject *refs[N_REFS] = {record_type, event_type, cleared, created, offloaded, tier_text,
+                              head_of, tail_of, fallback};
+    for (int i = 0; i < N_REFS; i++) {
         Py_INCREF(refs[i]);
-        Py_XSETREF(*slots[i], refs[i]);
+        Py_XSETREF(self->ref[i], refs[i]);
     }
     return 0;
 }
@@ -98,30 +95,14 @@ Encoder_init(Encoder *self, PyObject *args, PyObject *kwds)
 static int
 Encoder_traverse(Encoder *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->record_type);
-    Py_VISIT(self->event_type);
-    Py_VISIT(self->cleared);
-    Py_VISIT(self->created);
-    Py_VISIT(self->offloaded);
-    Py_VISIT(self->tier_text);
-    Py_VISIT(self->head_of);
-    Py_VISIT(self->tail_of);
-    Py_VISIT(self->fallback);
+    for (int i = 0; i < N_REFS; i++) Py_VISIT(self->ref[i]);
     return 0;
 }
 
 static int
 Encoder_clear(Encoder *self)
 {
-    Py_CLEAR(self->record_type);
-    Py_CLEAR(self->event_type);
-    Py_CLEAR(self->cleared);
-    Py_CLEAR(self->created);
-    Py_CLEAR(self->offloaded);
-    Py_CLEAR(self->tier_text);
-    Py_CLEAR(self->head_of);
-    Py_CLEAR(self->tail_of);
-    Py_CLEAR(self->fallback);
+    for (int i = 0; i < N_REFS; i++) Py_CLEAR(self->ref[i]);
     return 0;
 }
 
@@ -156,7 +137,7 @@ ascii_of(PyObject *s, Py_ssize_t *len)
 static PyObject *
 encode_one(Encoder *self, PyObject *r, Head *heads, int *n_heads, Tail *tails, int *n_tails)
 {
-    if (Py_TYPE(r) != self->record_type)
+    if (Py_TYPE(r) != (PyTypeObject *)self->ref[R_RECORD_TYPE])
         Py_RETURN_NONE;
     PyObject *f[N_FIELDS];
     for (int i = 0; i < N_FIELDS; i++) {
@@ -167,7 +148,8 @@ encode_one(Encoder *self, PyObject *r, Head *heads, int *n_heads, Tail *tails, i
     PyObject *event = f[F_EVENT];
     Py_ssize_t id_len, head_len, tail_len, prefix_len = 0, tier_len = 0;
     const char *id = ascii_of(f[F_ID], &id_len);
-    if (id == NULL || !PyFloat_CheckExact(f[F_TS]) || !Py_IS_TYPE(event, self->event_type))
+    if (id == NULL || !PyFloat_CheckExact(f[F_TS])
+            || Py_TYPE(event) != (PyTypeObject *)self->ref[R_EVENT_TYPE])
         Py_RETURN_NONE;
     double ts = PyFloat_AS_DOUBLE(f[F_TS]);
     if (!isfinite(ts))
@@ -182,7 +164,7 @@ encode_one(Encoder *self, PyObject *r, Head *heads, int *n_heads, Tail *tails, i
     if (tail == NULL) {
         if (*n_tails >= TAILS)
             Py_RETURN_NONE; /* more distinct ts in one list than remembered: Python's way */
-        tail = PyObject_CallOneArg(self->tail_of, f[F_TS]);
+        tail = PyObject_CallOneArg(self->ref[R_TAIL_OF], f[F_TS]);
         if (tail == NULL)
             return NULL;
         tails[*n_tails].ts = ts;
@@ -201,7 +183,7 @@ encode_one(Encoder *self, PyObject *r, Head *heads, int *n_heads, Tail *tails, i
     if (head == NULL) {
         if (*n_heads >= HEADS)
             Py_RETURN_NONE;
-        head = PyObject_CallFunctionObjArgs(self->head_of, event, f[F_BACKEND], NULL);
+        head = PyObject_CallFunctionObjArgs(self->ref[R_HEAD_OF], event, f[F_BACKEND], NULL);
         if (head == NULL)
             return NULL;
         heads[*n_heads].event = event;
@@ -214,7 +196,7 @@ encode_one(Encoder *self, PyObject *r, Head *heads, int *n_heads, Tail *tails, i
     const char *prefix = NULL, *tier = NULL;
     char count[24];
     int count_len = 0;
-    if (event != self->cleared) {
+    if (event != self->ref[R_CLEARED]) {
         prefix = ascii_of(f[F_PREFIX], &prefix_len);
         if (prefix == NULL)
             Py_RETURN_NONE;
@@ -224,7 +206,7 @@ encode_one(Encoder *self, PyObject *r, Head *heads, int *n_heads, Tail *tails, i
         }
         if (prefix_len == 0)
             Py_RETURN_NONE; /* "".isalnum() is False */
-        if (event == self->created || event == self->offloaded) {
+        if (event == self->ref[R_CREATED] || event == self->ref[R_OFFLOADED]) {
             if (!PyLong_CheckExact(f[F_COUNT]))
                 Py_RETURN_NONE;
             int overflow;
@@ -234,7 +216,7 @@ encode_one(Encoder *self, PyObject *r, Head *heads, int *n_heads, Tail *tails, i
                 Py_RETURN_NONE;
             }
             count_len = snprintf(count, sizeof count, "%lld", n);
-            PyObject *t = PyDict_GetItemWithError(self->tier_text, f[F_TIER]);
+            PyObject *t = PyDict_GetItemWithError(self->ref[R_TIER_TEXT], f[F_TIER]);
             if (t == NULL) {
                 if (PyErr_Occurred())
                     return NULL;
@@ -296,7 +278,7 @@ Encoder_encode_list(Encoder *self, PyObject *records)
         PyObject *b = encode_one(self, items[i], heads, &n_heads, tails, &n_tails);
         if (b == Py_None) {
             Py_DECREF(b);
-            b = PyObject_CallOneArg(self->fallback, items[i]);
+            b = PyObject_CallOneArg(self->ref[R_FALLBACK], items[i]);
         }
         if (b == NULL) {
             Py_CLEAR(out);
@@ -346,16 +328,7 @@ PyInit__sseenc(void)
 {
     for (int c = 0; c < 256; c++)
         ALNUM[c] = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-    if (PyType_Ready(&EncoderType) < 0)
-        return NULL;
     PyObject *m = PyModule_Create(&sseenc_module);
-    if (m == NULL)
-        return NULL;
-    Py_INCREF(&EncoderType);
-    if (PyModule_AddObject(m, "Encoder", (PyObject *)&EncoderType) < 0) {
-        Py_DECREF(&EncoderType);
-        Py_DECREF(m);
-        return NULL;
-    }
+    if (m != NULL && PyModule_AddType(m, &EncoderType) < 0) Py_CLEAR(m);
     return m;
 }

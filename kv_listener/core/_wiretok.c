@@ -119,9 +119,9 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef wiretok_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_wiretok",
+    .m_methods = methods,
     .m_doc = "msgpack token IDs into array('I') in C (see core/decode_events.py's raw_tokens).",
     .m_size = -1,
-    .m_methods = methods,
 };
 
 PyMODINIT_FUNC
