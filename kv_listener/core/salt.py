@@ -45,6 +45,7 @@ def _native_verifier() -> Any:
 
 
 _NATIVE: Final[Any] = _native_verifier()
+
 # The state type's methods, looked up once: compiled (setup.py), `obj.copy()` on an untyped
 # object looks the name up on every call; a method descriptor held as a C static is called
 # directly (a salt takes five such calls).
@@ -115,7 +116,7 @@ class SaltVerifier:
     (its HMAC over OpenSSL's SHA-256: about a tenth of the instructions of the Python below,
     which stays as the reference and runs where the module is absent), and the last verdicts
     are kept there: a table of `cache_size` slots (rounded up to a power of two, 65 bytes
-    each) indexed by the salt's key, which a new salt costs one comparison, not a dict entry."""
+    each) indexed by the salt's key, where a new salt costs one comparison, not a dict entry."""
 
     __slots__ = ("_cache", "_cache_size", "_inner", "_native", "_outer")
 

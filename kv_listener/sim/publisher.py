@@ -96,6 +96,10 @@ class SimPublisher(AsyncLifecycle):
         self._drop_replayable = True
         #: When False, replay requests are read but never answered (a hung engine).
         self.replay_enabled = True
+        #: Set: the next replay answer sends that many batches, then its end marker (vLLM
+        #: 0.32's ROUTER drops what its queue toward the DEALER cannot take, and the small end
+        #: marker can still get through after a dropped tail).
+        self.cut_next_replay: int | None = None
         self.replay_requests: list[int] = []  # start_seq of every valid request, in order
         self.subscriptions: list[bytes] = []  # subscribe messages seen by the XPUB
         self._sub_event = asyncio.Event()
@@ -242,8 +246,9 @@ class SimPublisher(AsyncLifecycle):
             if not self.replay_enabled:
                 continue
             # Sent in one go, with no await in between: the live stream cannot interleave.
+            left, self.cut_next_replay = self.cut_next_replay, None
             for seq, payload in self._buffer:
-                if seq >= start_seq:
+                if seq >= start_seq and (left is None or (left := left - 1) >= 0):
                     _send_now(router, self._reply(client_id, seq.to_bytes(8, "big"), payload))
             _send_now(router, self._reply(client_id, END_SEQ, b"", end=True))
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import structlog
@@ -231,9 +232,8 @@ class ZmqSource:
                 self.first_attach.set()
                 return
             except zmq.ZMQError as exc:
-                # e.g. the port is still held by a previous process. At start-up the daemon
-                # gives up (exit 1: its supervisor retries); a source added or restarted later
-                # keeps trying, not ready, said in the log each time.
+                # e.g. the port still held by a previous process. At start-up the daemon gives
+                # up (exit 1, its supervisor retries); later the source retries, not ready, logged.
                 self.attach_error = (f"cannot {self.config.zmq_mode} {endpoint}: "
                                      f"{zmq.strerror(exc.errno or 0)}")
                 self.first_attach.set()
@@ -375,18 +375,14 @@ class ZmqSource:
                               max_message_bytes=limits.max_message_bytes)
             return
         engine = self.config.engine
+        decode = partial(decode_zmq_payload, engine, payload, seq,
+                         max_event_tokens=limits.max_event_tokens,
+                         max_event_hashes=limits.max_event_hashes)
         try:
-            if len(payload) > _THREAD_DECODE_BYTES:
-                # In a worker thread, so the loop (other sources, the HTTP server) keeps running
-                # meanwhile; this source waits for it, keeping its order.
-                decoded = await asyncio.to_thread(
-                    decode_zmq_payload, engine, payload, seq,
-                    max_event_tokens=limits.max_event_tokens,
-                    max_event_hashes=limits.max_event_hashes)
-            else:
-                decoded = decode_zmq_payload(engine, payload, seq,
-                                             max_event_tokens=limits.max_event_tokens,
-                                             max_event_hashes=limits.max_event_hashes)
+            # A large one in a worker thread, so the loop (other sources, the HTTP server) keeps
+            # running meanwhile; this source waits for it, keeping its order.
+            decoded = (await asyncio.to_thread(decode) if len(payload) > _THREAD_DECODE_BYTES
+                       else decode())
         except DecodeError as exc:
             self.stats.dropped(exc.reason.value)
             self._log.warning("zmq_batch_undecodable", reason=exc.reason.value, seq=seq)
@@ -438,7 +434,9 @@ class ZmqSource:
         applied and followed by one from where it stopped, so the engine's whole buffer (vLLM:
         10,000 batches of up to `max_message_bytes`) never sits in memory at once; so is one
         cut at a hole or a stall (`_replay`: vLLM 0.32's ROUTER drops what the queue toward
-        this DEALER cannot take). A request whose first batch does not continue the run ends it."""
+        this DEALER cannot take), and one that ended complete, until one brings nothing or the
+        live batches kept meanwhile continue the run (that ROUTER can drop a tail and still
+        deliver its end marker). A request whose first batch does not continue the run ends it."""
         first: int | None = None
         last: int | None = None
         while True:
@@ -455,7 +453,9 @@ class ZmqSource:
                         before_first(seq)
                 await self._apply(seq, payload)
                 last = seq
-            if status is not ReplayStatus.TRUNCATED or last is None or last == before:
+            more = status is ReplayStatus.TRUNCATED or (
+                status is ReplayStatus.COMPLETE and not self._backlog.continues(last))
+            if not more or last is None or last == before:
                 return first, last, status
             start = last + 1
 

@@ -26,9 +26,10 @@ def recv_future(sock: zmq.asyncio.Socket) -> asyncio.Future[list[bytes]]:
 def recv_now(sock: zmq.Socket[bytes]) -> list[bytes] | None:
     """The message already queued on `sock` (a sync shadow of the SUB), or None when there is
     none. The hot path of a busy stream: the async socket's receive makes a Future per message
-    and goes through pyzmq's Python event handling even when the message is there (about a sixth
-    of the daemon's CPU on a stream of 16 KB frames); it receives the same way (non-blocking)
-    when it can, and does not yield to the loop either, so nothing else changes."""
+    and goes through pyzmq's Python event handling even when the message is there (about a
+    sixth of the daemon's samples in a py-spy profile, a stream of 16 KB frames); it receives
+    the same way (non-blocking) when it can, and does not yield to the loop either, so nothing
+    else changes."""
     try:
         return sock.recv_multipart(zmq.NOBLOCK)
     except zmq.Again:
@@ -72,6 +73,16 @@ class LiveBacklog:
         frames = self._frames.popleft()
         self.nbytes -= frames_size(frames)
         return frames
+
+    def continues(self, last: int | None) -> bool:
+        """Whether a batch kept here follows `last` at once or is older (the live stream then
+        carries on from a run that ended at `last`)."""
+        for frames in self._frames:
+            try:
+                return last is not None and parse_event_frames(frames)[1] <= last + 1
+            except FrameError:
+                continue
+        return False
 
     def drop_covered(self, last: int) -> None:
         """Forget the batches a replay already covered (seq <= `last`); frames that do not
