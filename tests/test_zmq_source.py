@@ -481,6 +481,23 @@ async def test_a_gap_larger_than_the_budget_is_filled_in_rounds() -> None:
     assert (stats.gaps, stats.replay_failures, stats.clears) == (1, 0, {})
 
 
+async def test_a_gap_fill_whose_tail_was_dropped_asks_for_the_rest() -> None:
+    # vLLM 0.32's ROUTER can drop the tail of an answer and still deliver its end marker: the
+    # answer looks complete but stops short of the batch that revealed the gap. It was cleared
+    # (incomplete); now the rest is asked for, as after a hole.
+    async with connected(replay=True) as (pub, queue, stats, _):
+        pub.publish(payload(1))
+        assert (await get_batch(queue)).seq == 0
+        pub.drop_next(4)
+        pub.cut_next_replay = 2  # the gap's answer: seqs 1-2, then the end marker
+        for h in (2, 3, 4, 5, 6):
+            pub.publish(payload(h))  # seqs 1-4 lost, 5 reveals the gap
+        got = [await get_batch(queue) for _ in range(5)]
+        assert pub.replay_requests == [0, 1, 3]
+    assert [(b.seq, hashes(b)) for b in got] == [(s, [s + 1]) for s in range(1, 6)]
+    assert (stats.gaps, stats.replay_failures, stats.clears) == (1, 0, {})
+
+
 async def test_batches_lost_right_before_the_engine_went_quiet_come_from_its_replay() -> None:
     # The last two batches were lost on the wire (a high-water mark, a reconnect) and the engine
     # then publishes nothing: no later seq shows the gap. After tail_probe_s of silence the

@@ -15,7 +15,6 @@ end marker; live batches arriving meanwhile are kept (bounded) and processed aft
 A replay that times out is abandoned with its DEALER (late replies must not be mistaken for the
 next replay's). A batch lost right before the engine goes quiet shows no gap, so after
 `TAIL_PROBE_S` without a batch the replay buffer is asked once for what follows the last one.
-
 Peers (who may publish, whether one is connected) are `sources.zmq_peers`'.
 
 Receiving live batches never waits for downstream work: they go on the bounded queue with
@@ -87,6 +86,7 @@ _MIN_RCVHWM = 4
 _MAX_RCVHWM = 100_000
 #: `_replay`'s upper bound when the whole buffer is wanted (start-up).
 _ALL_SEQS = 1 << 63
+_CUT_OR_DONE = (ReplayStatus.TRUNCATED, ReplayStatus.COMPLETE)  # a gap fill asks on after these
 #: Silence that ends a replay's answer once replies began (`ZmqSource._replay`).
 REPLAY_STALL_S = 0.5
 #: Silence after which a source with a replay endpoint asks the engine once for what follows its
@@ -496,8 +496,8 @@ class ZmqSource:
             status = ReplayStatus.UNAVAILABLE
         else:
             replayed, status = await self._replay(sub, self._dealer, expected, decision.got)
-            # Cut at the budget or a hole: the run from the start is applied, the rest asked for.
-            while (status is ReplayStatus.TRUNCATED and replayed and replayed[0][0] == expected
+            # Cut at the budget, a hole or a dropped tail: the run so far applied, the rest asked.
+            while (status in _CUT_OR_DONE and replayed and replayed[0][0] == expected
                    and (nxt := replayed[-1][0] + 1) < decision.got):
                 for seq, item in replayed:
                     await self._apply(seq, item)
