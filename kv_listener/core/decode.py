@@ -45,7 +45,6 @@ from kv_listener.core.decode_events import (
     EventDrop,
     raw_tokens,
     wire_extra_keys,
-    wire_tokens,
 )
 from kv_listener.core.decode_trtllm import (
     DecodedTrtllm,
@@ -292,13 +291,10 @@ def _decode_typed(
                             ev.lora_name, None, None, ev.cache_salt, None)
                 # tokens first, as the reference decoder reads them: a value outside u32 is its
                 # BAD_TOKENS even in an event too big to keep
-                if t is _VLLM_STORED_MAP:
-                    maybe = raw_tokens(raw)  # undecoded so far (core.wire)
-                    if maybe is None:
-                        return None  # not a list of ints: the reference decoder's judgement
-                    toks = maybe
-                else:
-                    toks = wire_tokens(raw, False)
+                maybe = raw_tokens(raw)  # undecoded so far (core.wire)
+                if maybe is None:
+                    return None  # not a list of ints: the reference decoder's judgement
+                toks = maybe
                 if len(toks) > max_event_tokens:
                     drops[DropReason.TOO_MANY_TOKENS] += 1
                     continue
