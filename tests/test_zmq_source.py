@@ -387,6 +387,17 @@ async def test_the_replay_dealer_queues_at_most_the_receive_budget(max_message_b
     assert (stats.gaps, stats.replay_failures, stats.clears, stats.events_dropped) == (1, 0, {}, {})
 
 
+def late_source(pub: SimPublisher, queue_size: int = 100, **kw: Any,
+                ) -> tuple[asyncio.Queue[SourceItem], SourceStats, ZmqSource]:
+    """A vLLM source of `pub` started after it published (its batches are in the replay buffer
+    only): its queue, its stats and the source, not running yet."""
+    queue: asyncio.Queue[SourceItem] = asyncio.Queue(queue_size)
+    stats = SourceStats(engine="vllm")
+    cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode="connect",
+                 zmq_endpoint=pub.endpoint)
+    return queue, stats, ZmqSource(cfg, queue, stats, tail_probe_s=60.0, **kw)
+
+
 async def test_a_start_up_replay_larger_than_the_budget_comes_in_rounds() -> None:
     # The engine's whole buffer (vLLM: 10,000 batches of up to max_message_bytes) was held at
     # once before it was applied. Now a request stops at the receive budget (2 of these batches),
@@ -396,12 +407,7 @@ async def test_a_start_up_replay_larger_than_the_budget_comes_in_rounds() -> Non
                             replay_endpoint="tcp://127.0.0.1:0") as pub:
         for h in range(1, 8):
             pub.publish(wide(h))  # seqs 0-6, before any listener: in the replay buffer only
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode="connect",
-                     zmq_endpoint=pub.endpoint)
-        source = ZmqSource(cfg, queue, stats, tail_probe_s=60.0,
-                           receive_budget_bytes=size * 5 // 2)
+        queue, stats, source = late_source(pub, receive_budget_bytes=size * 5 // 2)
         async with running(source):
             got = [await get_batch(queue) for _ in range(7)]
             await pub.wait_for_replay_requests(5)
@@ -414,53 +420,37 @@ async def test_a_start_up_replay_larger_than_the_budget_comes_in_rounds() -> Non
     assert not stats.clears and stats.gaps == 0
 
 
-async def test_a_start_up_replay_whose_tail_was_dropped_asks_for_what_follows() -> None:
+@pytest.mark.parametrize(("batches", "cut", "queue_size", "requests"), [
     # vLLM 0.32's ROUTER drops what its queue toward our DEALER cannot take, and its small end
     # marker can get through after a dropped tail (found with the real publisher: 5,500 of
     # 10,000 batches, reported exact). An answer that ended complete is now followed by a
     # request from where it stopped, until one brings nothing.
-    async with SimPublisher("tcp://127.0.0.1:0", mode="bind",
-                            replay_endpoint="tcp://127.0.0.1:0") as pub:
-        for h in range(1, 11):
-            pub.publish(payload(h))  # seqs 0-9, in the replay buffer only
-        pub.cut_next_replay = 6  # seqs 0-5, then the end marker
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(100)
-        stats = SourceStats(engine="vllm")
-        cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode="connect",
-                     zmq_endpoint=pub.endpoint)
-        async with running(ZmqSource(cfg, queue, stats, tail_probe_s=60.0)):
-            got = [await get_batch(queue) for _ in range(10)]
-            await pub.wait_for_replay_requests(3)
-            assert pub.replay_requests == [0, 6, 10]  # the last one brought nothing: done
-            pub.publish(payload(11))  # the live stream goes on in order
-            got.append(await get_batch(queue))
-    assert [b.seq for b in got] == list(range(11))
-    assert (stats.startup_replay, stats.startup_replay_batches) == ("exact", 10)
-    assert not stats.clears and stats.gaps == 0
-
-
-async def test_a_start_up_replay_longer_than_the_queue_waits_for_room_instead_of_clearing() -> None:
+    pytest.param(10, 6, 100, [0, 6, 10], id="tail-dropped"),
     # The replay's answer is in hand: before, it went on the queue like live batches, so an
     # engine buffer longer than the queue (vLLM keeps 10,000 batches; the queue holds 10,000 or
     # 4 Mi tokens) overflowed it and the overflow clear wiped what the replay had rebuilt. Now
     # the source waits for the consumer: every batch, in order, nothing dropped, no clear.
+    pytest.param(40, None, 8, [0, 40], id="longer-than-the-queue"),
+])
+async def test_a_start_up_replay_rebuilds_the_whole_buffer(
+    batches: int, cut: int | None, queue_size: int, requests: list[int],
+) -> None:
     async with SimPublisher("tcp://127.0.0.1:0", mode="bind",
                             replay_endpoint="tcp://127.0.0.1:0") as pub:
-        for h in range(1, 41):
-            pub.publish(payload(h))  # seqs 0-39, in the replay buffer only
-        queue: asyncio.Queue[SourceItem] = asyncio.Queue(8)
-        stats = SourceStats(engine="vllm")
-        cfg = config(replay_endpoint=pub.replay_endpoint, zmq_mode="connect",
-                     zmq_endpoint=pub.endpoint)
-        async with running(ZmqSource(cfg, queue, stats, tail_probe_s=60.0)):
-            got = [await get_batch(queue) for _ in range(40)]
-            await pub.wait_for_replay_requests(2)  # from 40: nothing follows
-            pub.publish(payload(41))  # the live stream goes on in order
+        for h in range(1, batches + 1):
+            pub.publish(payload(h))  # seqs 0 .. batches - 1, in the replay buffer only
+        pub.cut_next_replay = cut  # the first answer: that many batches, then the end marker
+        queue, stats, source = late_source(pub, queue_size=queue_size)
+        async with running(source):
+            got = [await get_batch(queue) for _ in range(batches)]
+            await pub.wait_for_replay_requests(len(requests))
+            assert pub.replay_requests == requests  # the last one brought nothing: done
+            pub.publish(payload(batches + 1))  # the live stream goes on in order
             got.append(await get_batch(queue))
-    assert [b.seq for b in got] == list(range(41))
-    assert [hashes(b) for b in got] == [[h] for h in range(1, 42)]
-    assert (stats.startup_replay, stats.startup_replay_batches) == ("exact", 40)
-    assert not stats.clears and not stats.events_dropped
+    assert [b.seq for b in got] == list(range(batches + 1))
+    assert [hashes(b) for b in got] == [[h] for h in range(1, batches + 2)]
+    assert (stats.startup_replay, stats.startup_replay_batches) == ("exact", batches)
+    assert not stats.clears and not stats.events_dropped and stats.gaps == 0
 
 
 async def test_a_gap_larger_than_the_budget_is_filled_in_rounds() -> None:
