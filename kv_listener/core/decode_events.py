@@ -11,13 +11,13 @@ batch into events with these handlers (the reference path) or with `core.wire`'s
 from __future__ import annotations
 
 import enum
-import importlib
 from array import array
 from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
 
+from kv_listener.core.cmodules import c_attr
 from kv_listener.core.model import (
     U64_MASK,
     AllBlocksCleared,
@@ -162,14 +162,7 @@ def raw_tokens(raw: Any) -> array[int] | None:
     return wire_tokens(v, False)
 
 
-def _native_u32_array() -> Any:
-    try:
-        return importlib.import_module("kv_listener.core._wiretok").u32_array
-    except ImportError:
-        return None
-
-
-_U32_ARRAY: Final[Any] = _native_u32_array()
+_U32_ARRAY: Final[Any] = c_attr("_wiretok", "u32_array")  # None where not built
 _decode_msgpack: Final[Any] = msgspec.msgpack.decode
 
 

@@ -20,6 +20,8 @@ import re
 from hashlib import sha256
 from typing import Any, Final
 
+from kv_listener.core.cmodules import c_attr
+
 
 def _cheap_sha256() -> Any:
     """A SHA-256 constructor whose objects copy cheaply: CPython's own (3.11: `_sha256`, 3.12+:
@@ -35,16 +37,9 @@ def _cheap_sha256() -> Any:
 _state: Final[Any] = _cheap_sha256()
 
 
-def _native_verifier() -> Any:
-    """`_saltmac.Verifier` (the same check in one C call, setup.py's `C_MODULES`), or None where
-    it was not built: then SaltVerifier's own Python runs."""
-    try:
-        return importlib.import_module("kv_listener.core._saltmac").Verifier
-    except ImportError:
-        return None
-
-
-_NATIVE: Final[Any] = _native_verifier()
+#: `_saltmac.Verifier`: the same check in one C call, or None where it was not built (then
+#: SaltVerifier's own Python runs)
+_NATIVE: Final[Any] = c_attr("_saltmac", "Verifier")
 
 # The state type's methods, looked up once: compiled (setup.py), `obj.copy()` on an untyped
 # object looks the name up on every call; a method descriptor held as a C static is called

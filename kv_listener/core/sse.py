@@ -15,12 +15,12 @@ peer cannot get past: one line, and one event's data, at most 1 MiB each by defa
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 from msgspec.structs import astuple
 
+from kv_listener.core.cmodules import c_attr
 from kv_listener.core.model import Tier
 from kv_listener.core.records import (
     ControlEvent,
@@ -145,18 +145,12 @@ def encode_record_list_python(records: Sequence[Record]) -> list[bytes]:
     return out
 
 
-def _native_encoder() -> Any:
-    """`_sseenc.Encoder(...).encode_list` (setup.py's `C_MODULES`), or None where it was not
-    built. Its fallback for records not of the plain kinds is `encode_record`."""
-    try:
-        module = importlib.import_module("kv_listener.core._sseenc")
-    except ImportError:
-        return None
-    return module.Encoder(Record, RecordEvent, _CLEARED, _CREATED, _OFFLOADED, _TIER_TEXT,
-                          _head_of, _tail_of, encode_record).encode_list
-
-
-_NATIVE: Final[Any] = _native_encoder()
+# `_sseenc.Encoder(...).encode_list`, or None where it was not built; its fallback for records
+# not of the plain kinds is `encode_record`
+_ENCODER: Final[Any] = c_attr("_sseenc", "Encoder")
+_NATIVE: Final[Any] = None if _ENCODER is None else _ENCODER(
+    Record, RecordEvent, _CLEARED, _CREATED, _OFFLOADED, _TIER_TEXT, _head_of, _tail_of,
+    encode_record).encode_list
 
 
 def encode_control(event: ControlEvent, backend: str) -> bytes:

@@ -1,6 +1,0 @@
-"""Types of the C module `_saltmac.c` (optional: core/salt.py falls back without it)."""
-
-class Verifier:
-    cache_bytes: int
-    def __init__(self, padded_secret: bytes, head: bytes, cache_size: int = 0) -> None: ...
-    def verify_hex(self, salt: object) -> str | None: ...
